@@ -1,0 +1,1 @@
+"""The ``kvpack`` command line: thin subcommands, each a call into the library."""

@@ -1,0 +1,517 @@
+"""Cache formats as data: what is stored, at which granularity, and exactly how many bytes it costs.
+
+A :class:`QuantSpec` describes one tensor (keys or values); a :class:`KVFormat` pairs a key spec with a
+value spec and a block size. Sizes count every payload, scale, zero-point and padding byte, so
+``bits_per_element`` is the honest figure, not the nominal one.
+
+Scales are block-local: a granularity says which axes of one ``[kv_heads, block_size, head_dim]`` block
+share a scale. The scale array of a block always has the 3-D shape ``[Hs, Ts, Cs]`` (broadcastable against
+the block), which is also the layout of the scale pools in the paged cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from kvpack.errors import FormatError
+
+__all__ = [
+    "PRESETS",
+    "DType",
+    "Granularity",
+    "KVFormat",
+    "PerChannel",
+    "PerGroup",
+    "PerHead",
+    "PerTensor",
+    "PerToken",
+    "QuantSpec",
+    "ScaleDType",
+    "parse_format",
+    "preset",
+]
+
+
+class DType(enum.Enum):
+    """Storage dtype of a cached element."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    INT4 = "int4"
+    INT2 = "int2"
+
+    @property
+    def bits(self) -> int:
+        return _DTYPE_BITS[self]
+
+    @property
+    def is_passthrough(self) -> bool:
+        """Stored as a plain float tensor, no scales."""
+        return self in (DType.FP32, DType.FP16, DType.BF16)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self in (DType.FP8_E4M3, DType.FP8_E5M2)
+
+    @property
+    def is_int(self) -> bool:
+        return self in (DType.INT8, DType.INT4, DType.INT2)
+
+    @property
+    def fp8_max(self) -> float:
+        """Largest finite value of an fp8 dtype."""
+        return {DType.FP8_E4M3: 448.0, DType.FP8_E5M2: 57344.0}[self]
+
+
+_DTYPE_BITS = {
+    DType.FP32: 32,
+    DType.FP16: 16,
+    DType.BF16: 16,
+    DType.INT8: 8,
+    DType.FP8_E4M3: 8,
+    DType.FP8_E5M2: 8,
+    DType.INT4: 4,
+    DType.INT2: 2,
+}
+
+
+class ScaleDType(enum.Enum):
+    """How a scale (and a zero-point) is stored.
+
+    ``E8M0`` is the 8-bit power-of-two scale of the OCP microscaling formats: the scale is rounded *up*
+    to a power of two, so nothing clips, at the cost of up to one bit of resolution. Zero-points of an
+    ``E8M0`` spec are stored in fp16 (a power of two cannot hold an offset).
+    """
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    E8M0 = "e8m0"
+
+    @property
+    def bytes(self) -> int:
+        return {ScaleDType.FP32: 4, ScaleDType.FP16: 2, ScaleDType.BF16: 2, ScaleDType.E8M0: 1}[self]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Granularity: which axes of a [kv_heads, block_size, head_dim] block share one scale.
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """Base class; subclasses give the per-block scale shape ``[Hs, Ts, Cs]``."""
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        return []
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PerTensor(Granularity):
+    """One scale for the whole block (all heads, tokens and channels)."""
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (1, 1, 1)
+
+    @property
+    def name(self) -> str:
+        return "tensor"
+
+
+@dataclass(frozen=True)
+class PerHead(Granularity):
+    """One scale per kv head per block."""
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (kv_heads, 1, 1)
+
+    @property
+    def name(self) -> str:
+        return "head"
+
+
+@dataclass(frozen=True)
+class PerChannel(Granularity):
+    """One scale per kv head and channel, shared by the block's tokens (the key axis)."""
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (kv_heads, 1, head_dim)
+
+    @property
+    def name(self) -> str:
+        return "channel"
+
+
+@dataclass(frozen=True)
+class PerToken(Granularity):
+    """One scale per kv head and token, over the whole head_dim (the value axis)."""
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (kv_heads, block_size, 1)
+
+    @property
+    def name(self) -> str:
+        return "token"
+
+
+@dataclass(frozen=True)
+class PerGroup(Granularity):
+    """One scale per kv head, token and group of ``size`` consecutive channels."""
+
+    size: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size <= 0:
+            raise FormatError(f"group size must be a positive integer, got {self.size!r}")
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (kv_heads, block_size, head_dim // self.size)
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        if head_dim % self.size:
+            return [
+                f"head_dim {head_dim} is not divisible by the group size {self.size}; use a group size that divides it"
+            ]
+        return []
+
+    @property
+    def name(self) -> str:
+        return f"g{self.size}"
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor (keys or values) is stored.
+
+    Dequantization, per element (``s`` and ``z`` broadcast from the ``[Hs, Ts, Cs]`` scale arrays):
+    symmetric int ``x = q * s`` (q signed); asymmetric int ``x = q * s + z`` (q unsigned, ``z`` a float
+    offset, the group minimum); fp8 ``x = float(q) * s``; passthrough ``x = q``.
+    """
+
+    dtype: DType
+    granularity: Granularity | None = None
+    symmetric: bool = True
+    scale_dtype: ScaleDType = ScaleDType.FP16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            raise FormatError(f"dtype must be a DType, got {self.dtype!r}")
+        if self.dtype.is_passthrough:
+            if self.granularity is not None:
+                raise FormatError(f"{self.dtype.value} is stored as is and takes no granularity")
+            return
+        if not isinstance(self.granularity, Granularity):
+            raise FormatError(f"{self.dtype.value} needs a granularity: one of tensor, head, channel, token, g<N>")
+        if self.dtype.is_fp8 and not self.symmetric:
+            raise FormatError(f"{self.dtype.value} is symmetric only; drop 'asym'")
+
+    # -- derived facts ------------------------------------------------------------------------------
+    @property
+    def is_passthrough(self) -> bool:
+        return self.dtype.is_passthrough
+
+    @property
+    def bits(self) -> int:
+        return self.dtype.bits
+
+    @property
+    def has_zero(self) -> bool:
+        return self.dtype.is_int and not self.symmetric
+
+    @property
+    def zero_dtype(self) -> ScaleDType:
+        """Storage of the zero-point: the scale dtype, or fp16 for E8M0 scales."""
+        return ScaleDType.FP16 if self.scale_dtype is ScaleDType.E8M0 else self.scale_dtype
+
+    @property
+    def qmin(self) -> int:
+        """Smallest integer code (integer dtypes only)."""
+        b = self.bits
+        return -(2 ** (b - 1) - 1) if self.symmetric else 0
+
+    @property
+    def qmax(self) -> int:
+        """Largest integer code (integer dtypes only)."""
+        b = self.bits
+        return 2 ** (b - 1) - 1 if self.symmetric else 2**b - 1
+
+    def packed_head_dim(self, head_dim: int) -> int:
+        """Last-axis length of the payload array: elements for >= 8 bits, bytes for int4/int2."""
+        if self.bits >= 8:
+            return head_dim
+        return math.ceil(head_dim * self.bits / 8)
+
+    def payload_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Payload bytes of one block, padding included."""
+        per_row = self.packed_head_dim(head_dim) * max(self.bits, 8) // 8
+        return kv_heads * block_size * per_row
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int] | None:
+        if self.granularity is None:
+            return None
+        return self.granularity.scale_shape(kv_heads, block_size, head_dim)
+
+    def scale_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Scale plus zero-point bytes of one block."""
+        shape = self.scale_shape(kv_heads, block_size, head_dim)
+        if shape is None:
+            return 0
+        n = math.prod(shape)
+        return n * self.scale_dtype.bytes + (n * self.zero_dtype.bytes if self.has_zero else 0)
+
+    def block_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        return self.payload_bytes(kv_heads, block_size, head_dim) + self.scale_bytes(kv_heads, block_size, head_dim)
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        """Why this spec cannot store vectors of ``head_dim`` (empty when it can)."""
+        reasons = []
+        if head_dim <= 0:
+            reasons.append(f"head_dim must be positive, got {head_dim}")
+        elif self.granularity is not None:
+            reasons += self.granularity.reasons_invalid(head_dim)
+        return reasons
+
+    def __str__(self) -> str:
+        if self.is_passthrough:
+            return self.dtype.value
+        parts = [self.dtype.value, self.granularity.name]
+        if self.dtype.is_int:
+            parts.append("sym" if self.symmetric else "asym")
+        parts.append(self.scale_dtype.value)
+        return ":".join(parts)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A key spec, a value spec and the block size (the tail holds one block)."""
+
+    key: QuantSpec
+    value: QuantSpec
+    block_size: int = 64
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise FormatError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not self.name:
+            object.__setattr__(self, "name", self.spec_string())
+
+    @property
+    def is_passthrough(self) -> bool:
+        return self.key.is_passthrough and self.value.is_passthrough
+
+    def spec_string(self) -> str:
+        """Canonical string; ``parse_format(f.spec_string()) == f``."""
+        return f"k={self.key},v={self.value},block={self.block_size}"
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        return [f"keys: {r}" for r in self.key.reasons_invalid(head_dim)] + [
+            f"values: {r}" for r in self.value.reasons_invalid(head_dim)
+        ]
+
+    def check(self, head_dim: int) -> None:
+        """Raise :class:`FormatError` if this format cannot store vectors of ``head_dim``."""
+        reasons = self.reasons_invalid(head_dim)
+        if reasons:
+            raise FormatError(f"format {self.name!r} cannot be used with head_dim {head_dim}: " + "; ".join(reasons))
+
+    # -- sizes (one layer unless a ``layers`` argument says otherwise) --------------------------------
+    def block_bytes(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes of one sealed block of one layer, keys and values, scales and padding included."""
+        b = self.block_size
+        return self.key.block_bytes(kv_heads, b, head_dim) + self.value.block_bytes(kv_heads, b, head_dim)
+
+    def payload_bytes(self, kv_heads: int, head_dim: int) -> int:
+        b = self.block_size
+        return self.key.payload_bytes(kv_heads, b, head_dim) + self.value.payload_bytes(kv_heads, b, head_dim)
+
+    def scale_bytes(self, kv_heads: int, head_dim: int) -> int:
+        b = self.block_size
+        return self.key.scale_bytes(kv_heads, b, head_dim) + self.value.scale_bytes(kv_heads, b, head_dim)
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int, layers: int = 1) -> float:
+        """Sealed bytes per token over ``layers`` layers (a block's bytes divided by its tokens)."""
+        return layers * self.block_bytes(kv_heads, head_dim) / self.block_size
+
+    def bits_per_element(self, kv_heads: int, head_dim: int) -> float:
+        """Honest bits per cached element: every stored bit divided by the K and V elements it holds."""
+        return 8 * self.block_bytes(kv_heads, head_dim) / (2 * kv_heads * self.block_size * head_dim)
+
+    def tail_bytes(self, kv_heads: int, head_dim: int, tail_element_bytes: int = 2) -> int:
+        """Bytes of one sequence's full-precision tail in one layer (one block of K and V)."""
+        return 2 * kv_heads * self.block_size * head_dim * tail_element_bytes
+
+    def bytes_for_tokens(
+        self, tokens: int, kv_heads: int, head_dim: int, layers: int = 1, tail_element_bytes: int = 2
+    ) -> int:
+        """Bytes one sequence of ``tokens`` occupies: its sealed blocks plus its one-block tail."""
+        if self.is_passthrough:
+            return math.ceil(tokens / self.block_size) * self.block_bytes(kv_heads, head_dim) * layers
+        sealed = tokens // self.block_size
+        return layers * (
+            sealed * self.block_bytes(kv_heads, head_dim) + self.tail_bytes(kv_heads, head_dim, tail_element_bytes)
+        )
+
+    def with_block_size(self, block_size: int) -> KVFormat:
+        """The same specs with another block size (and tail size)."""
+        if self.name in PRESETS:
+            name = self.name if block_size == PRESETS[self.name].block_size else f"{self.name},block={block_size}"
+        else:
+            name = ""
+        return KVFormat(self.key, self.value, block_size, name=name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Presets
+
+_FP16 = ScaleDType.FP16
+
+
+def _spec(dtype: DType, gran: Granularity | None = None, sym: bool = True) -> QuantSpec:
+    return QuantSpec(dtype, gran, sym, _FP16)
+
+
+def _same(spec: QuantSpec, name: str) -> KVFormat:
+    return KVFormat(spec, spec, 64, name=name)
+
+
+PRESETS: dict[str, KVFormat] = {
+    "fp16": _same(_spec(DType.FP16), "fp16"),
+    "bf16": _same(_spec(DType.BF16), "bf16"),
+    "fp8": _same(_spec(DType.FP8_E4M3, PerHead()), "fp8"),
+    "fp8_e5m2": _same(_spec(DType.FP8_E5M2, PerHead()), "fp8_e5m2"),
+    "int8": KVFormat(_spec(DType.INT8, PerChannel()), _spec(DType.INT8, PerToken()), 64, name="int8"),
+    "int4": KVFormat(
+        _spec(DType.INT4, PerChannel(), sym=False), _spec(DType.INT4, PerGroup(32), sym=False), 64, name="int4"
+    ),
+    "k8v4": KVFormat(_spec(DType.INT8, PerChannel()), _spec(DType.INT4, PerGroup(32), sym=False), 64, name="k8v4"),
+    "k4v2": KVFormat(
+        _spec(DType.INT4, PerChannel(), sym=False), _spec(DType.INT2, PerGroup(32), sym=False), 64, name="k4v2"
+    ),
+    "kivi2": KVFormat(
+        _spec(DType.INT2, PerChannel(), sym=False), _spec(DType.INT2, PerGroup(32), sym=False), 64, name="kivi2"
+    ),
+    # The naive layout kept as a comparison point: per-token groups of 32 for keys too.
+    "int4-g32": _same(_spec(DType.INT4, PerGroup(32), sym=False), "int4-g32"),
+}
+
+
+def preset(name: str) -> KVFormat:
+    """The preset called ``name``; :class:`FormatError` listing the presets otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise FormatError(f"unknown format preset {name!r}; presets are: {', '.join(PRESETS)}") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# String syntax:  PRESET[,block=N]   or   k=SPEC,v=SPEC[,block=N]   or   kv=SPEC[,block=N]
+# SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8
+
+_DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
+_GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
+_SCALE_NAMES = {s.value: s for s in ScaleDType} | {"fp8": ScaleDType.E8M0}
+
+SYNTAX_HELP = (
+    "a format is a preset name ({presets}), optionally followed by ',block=N'; or a custom "
+    "'k=SPEC,v=SPEC[,block=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
+    "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
+    "fp32|fp16|bf16|e8m0 (alias fp8). Example: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64'"
+)
+
+
+def _help() -> str:
+    return SYNTAX_HELP.format(presets=", ".join(PRESETS), dtypes="|".join(d.value for d in DType))
+
+
+def _parse_spec(text: str, role: str) -> QuantSpec:
+    parts = [p.strip().lower() for p in text.split(":") if p.strip()]
+    if not parts:
+        raise FormatError(f"empty {role} spec; {_help()}")
+    dtype = _DTYPE_NAMES.get(parts[0])
+    if dtype is None:
+        raise FormatError(f"unknown {role} dtype {parts[0]!r}; valid dtypes: {', '.join(d.value for d in DType)}")
+    if dtype.is_passthrough:
+        if len(parts) > 1:
+            raise FormatError(f"{dtype.value} is stored as is and takes no fields, got {':'.join(parts[1:])!r}")
+        return QuantSpec(dtype)
+    gran: Granularity | None = None
+    sym: bool | None = None
+    scale = ScaleDType.FP16
+    for p in parts[1:]:
+        if p in _GRAN_NAMES:
+            gran = _GRAN_NAMES[p]
+        elif (p.startswith("g") and p[1:].isdigit()) or (p.startswith("group") and p[5:].isdigit()):
+            gran = PerGroup(int(p.lstrip("group")))
+        elif p in ("sym", "asym"):
+            sym = p == "sym"
+        elif p in _SCALE_NAMES:
+            scale = _SCALE_NAMES[p]
+        else:
+            raise FormatError(
+                f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
+                "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0)"
+            )
+    if gran is None:  # the defaults DESIGN agreed on: keys per channel, values per token
+        gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
+    if sym is None:
+        sym = dtype.is_fp8 or dtype is DType.INT8
+    return QuantSpec(dtype, gran, sym, scale)
+
+
+def parse_format(text: str | KVFormat) -> KVFormat:
+    """Parse a preset name or a custom format string (see :data:`SYNTAX_HELP`)."""
+    if isinstance(text, KVFormat):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        raise FormatError(f"empty format; {_help()}")
+    fields = [f.strip() for f in text.strip().split(",") if f.strip()]
+    base: KVFormat | None = None
+    key = value = None
+    block: int | None = None
+    for f in fields:
+        name, eq, arg = f.partition("=")
+        name = name.strip().lower()
+        if not eq:
+            if base is not None or key is not None:
+                raise FormatError(f"{f!r}: only one preset per format; {_help()}")
+            base = preset(name)
+            continue
+        if name in ("k", "key", "keys"):
+            key = _parse_spec(arg, "key")
+        elif name in ("v", "value", "values"):
+            value = _parse_spec(arg, "value")
+        elif name == "kv":
+            key, value = _parse_spec(arg, "key"), _parse_spec(arg, "value")
+        elif name in ("block", "block_size"):
+            if not arg.strip().isdigit() or int(arg) <= 0:
+                raise FormatError(f"block must be a positive integer, got {arg!r}")
+            block = int(arg)
+        else:
+            raise FormatError(f"unknown field {name!r}; {_help()}")
+    if base is not None:
+        if key is not None or value is not None:
+            raise FormatError(f"{text!r}: give either a preset or k=/v= specs, not both")
+        return base if block is None or block == base.block_size else base.with_block_size(block)
+    if key is None or value is None:
+        raise FormatError(f"{text!r}: a custom format needs both k= and v= (or kv=); {_help()}")
+    fmt = KVFormat(key, value, block or 64)
+    for name, p in PRESETS.items():  # a custom string that spells a preset gets its name
+        if p == fmt:
+            return p
+    return fmt

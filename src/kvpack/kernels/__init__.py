@@ -1,0 +1,94 @@
+"""Attention kernels over the paged cache: stateless functions of tensors.
+
+Backends: ``reference`` (torch oracle, the slow last resort), ``cpu`` (fused and compiled, needs numba),
+``triton`` (GPU; runs under the Triton interpreter in tests). Each backend module exposes
+``reasons_unsupported(q, kv, window) -> list[str]`` and ``decode_attention(q, kv, sm_scale, window, out)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+from kvpack.errors import UnsupportedError
+from kvpack.kernels.views import PagedKV
+
+__all__ = ["BACKENDS", "PagedKV", "backend_reasons", "choose_backend", "decode_attention"]
+
+BACKENDS = {
+    "reference": "kvpack.kernels.reference",
+    "cpu": "kvpack.kernels.cpu",
+    "triton": "kvpack.kernels.triton_decode",
+}
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _module(name: str):
+    return importlib.import_module(BACKENDS[name])
+
+
+def backend_reasons(name: str, q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
+    """Why backend ``name`` cannot run this case (empty list: it can)."""
+    if name not in BACKENDS:
+        return [f"unknown backend {name!r}; backends are {', '.join(BACKENDS)}"]
+    try:
+        mod = _module(name)
+    except ImportError as e:
+        extra = {"cpu": "cpu", "triton": "triton"}.get(name, "")
+        return [f"backend {name!r} is not installed ({e}); pip install 'kvpack[{extra}]'"]
+    return list(mod.reasons_unsupported(q, kv, window))
+
+
+def choose_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None, backend: str = "auto") -> str:
+    """Pick the backend for a case: the forced one, else Triton on CUDA and the CPU kernel on the CPU.
+
+    A forced backend that cannot run raises :class:`UnsupportedError` with its reasons. In ``auto`` mode a
+    preferred backend that cannot run falls back to the reference with a one-time warning naming why.
+    """
+    if backend != "auto":
+        reasons = backend_reasons(backend, q, kv, window)
+        if reasons:
+            raise UnsupportedError(f"backend {backend!r} cannot run this case: " + "; ".join(reasons), reasons)
+        return backend
+    preferred = "triton" if q.is_cuda else "cpu"
+    reasons = backend_reasons(preferred, q, kv, window)
+    if not reasons:
+        return preferred
+    key = (preferred, "; ".join(reasons))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"kvpack: the {preferred} kernel cannot run this case ({key[1]}); using the slow reference path",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "reference"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query per sequence over its paged history.
+
+    Args:
+        q: ``[batch, Hq, D]``, float16/bfloat16/float32; ``Hq`` a multiple of ``kv.kv_heads``.
+        kv: the layer's :class:`PagedKV` (the query's own token already appended).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        window: sliding window: attend only the last ``window`` positions (the query's included).
+        backend: ``"auto"``, ``"reference"``, ``"cpu"`` or ``"triton"``.
+        out: optional ``[batch, Hq, D]`` output buffer.
+
+    Returns:
+        ``[batch, Hq, D]`` in ``q.dtype``.
+    """
+    name = choose_backend(q, kv, window, backend)
+    return _module(name).decode_attention(q, kv, sm_scale, window, out)

@@ -1,0 +1,112 @@
+"""The torch oracle: attention over a :class:`PagedKV`, dequantizing with :mod:`kvpack.quant`.
+
+Slow on purpose (it materializes the dequantized history); used as the test oracle and as the last-resort
+fallback. Accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpack.errors import ShapeError
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import QuantizedTensor, dequantize
+
+__all__ = ["decode_attention", "dense_history", "paged_attention_reference", "reasons_unsupported"]
+
+
+def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized keys and values of sequence ``row``: two ``[H, seq_len, D]`` float32 tensors.
+
+    Positions of released (out-of-window) blocks come back as zeros.
+    """
+    n = int(kv.seq_lens[row])
+    b = kv.block_size
+    nb, tail = divmod(n, b)
+    ids = kv.block_tables[row, :nb].long()
+    out = []
+    for data, scale, zero, spec, tail_x in (
+        (kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k),
+        (kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v),
+    ):
+        qt = QuantizedTensor(
+            data[ids],
+            None if scale is None else scale[ids],
+            None if zero is None else zero[ids],
+            spec,
+            kv.head_dim,
+        )
+        x = dequantize(qt)  # [nb, H, B, D]
+        x = torch.where((ids == 0).view(-1, 1, 1, 1), torch.zeros_like(x), x)
+        x = x.permute(1, 0, 2, 3).reshape(kv.kv_heads, nb * b, kv.head_dim)
+        out.append(torch.cat([x, tail_x[row, :, :tail].float()], dim=1))
+    return out[0], out[1]
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of the last ``T`` positions of each sequence over its whole cached history.
+
+    The chunk's own keys and values must already be in the cache (``seq_len`` counts them); query ``i``
+    sits at position ``seq_len - T + i`` and attends causally.
+
+    Args:
+        q: ``[batch, T, Hq, D]``, float; ``Hq`` a multiple of ``kv.kv_heads`` (grouped-query attention).
+        kv: the layer's paged cache.
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        window: if given, a query at position ``p`` attends only positions ``> p - window``.
+
+    Returns:
+        ``[batch, T, Hq, D]`` in ``q.dtype``.
+    """
+    batch, t, hq, d = q.shape
+    if batch != kv.batch or d != kv.head_dim or hq % kv.kv_heads:
+        raise ShapeError(
+            f"q must be [batch={kv.batch}, T, Hq (a multiple of {kv.kv_heads}), D={kv.head_dim}], got {tuple(q.shape)}"
+        )
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    group = hq // kv.kv_heads
+    out = torch.empty(batch, t, hq, d, dtype=torch.float32, device=q.device)
+    for row in range(batch):
+        k, v = dense_history(kv, row)  # [H, n, D]
+        n = k.shape[1]
+        if n < t:
+            raise ShapeError(f"sequence {row} holds {n} tokens, fewer than the {t} queries; append the chunk first")
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+        qr = q[row].float().transpose(0, 1)  # [Hq, T, D]
+        scores = (qr @ k.transpose(1, 2)) * sm_scale  # [Hq, T, n]
+        qpos = torch.arange(n - t, n, device=q.device).view(-1, 1)
+        kpos = torch.arange(n, device=q.device).view(1, -1)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[row] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
+    """The reference runs every case."""
+    return []
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query per sequence: ``q`` ``[batch, Hq, D]`` -> ``[batch, Hq, D]``."""
+    res = paged_attention_reference(q.unsqueeze(1), kv, sm_scale, window)[:, 0]
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

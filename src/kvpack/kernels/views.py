@@ -1,0 +1,73 @@
+"""The kernel-facing view of one layer of the paged cache: plain tensors, no state.
+
+The cache (:mod:`kvpack.cache`) builds these; every attention backend reads them. Layout per layer:
+
+* payload and scales in separate contiguous pools, indexed by block id (block 0 is the null block);
+* per sequence a row of ``block_tables`` and a full-precision tail of one block.
+
+A sequence of ``seq_len`` tokens has ``seq_len // block_size`` sealed blocks (its first entries of
+``block_tables``) and ``seq_len % block_size`` tokens in its tail: the tail is sealed the moment it holds
+a full block. Entries past the sealed blocks, and blocks released because they left a sliding window,
+are 0 (the null block) and must never be read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpack.formats import KVFormat
+
+__all__ = ["PagedKV"]
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's paged K/V cache for a batch of sequences, as attention kernels consume it.
+
+    Attributes:
+        format: the cache format (key spec, value spec, block size ``B``).
+        head_dim: ``D``, the logical head dimension.
+        k_data: ``[num_blocks, H, B, Pk]``, dtype ``quant.payload_torch_dtype(format.key)``;
+            ``Pk = format.key.packed_head_dim(D)``.
+        k_scale: ``[num_blocks, Hs, Ts, Cs]`` (key granularity's scale shape), dtype of the key's scale
+            storage (float32/float16/bfloat16, or uint8 E8M0 exponents); ``None`` for passthrough keys.
+        k_zero: same shape as ``k_scale``, dtype of ``format.key.zero_dtype``; ``None`` unless asymmetric.
+        v_data, v_scale, v_zero: the same for values.
+        block_tables: ``[batch, max_blocks]``, dtype ``torch.int32``: block ids of each sequence's sealed
+            blocks in order; 0 where unused or released.
+        seq_lens: ``[batch]``, dtype ``torch.int32``: tokens per sequence, sealed plus tail.
+        tail_k: ``[batch, H, B, D]``, float16/bfloat16/float32: the full-precision tail; slot ``t`` holds
+            position ``(seq_len // B) * B + t`` for ``t < seq_len % B``; other slots are garbage.
+        tail_v: ``[batch, H, B, D]``, same dtype as ``tail_k``.
+    """
+
+    format: KVFormat
+    head_dim: int
+    k_data: torch.Tensor
+    k_scale: torch.Tensor | None
+    k_zero: torch.Tensor | None
+    v_data: torch.Tensor
+    v_scale: torch.Tensor | None
+    v_zero: torch.Tensor | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.tail_k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.format.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.tail_k.device

@@ -1,0 +1,192 @@
+"""Testing helpers: the three kinds of tolerance, and random paged caches built from the primitives.
+
+* bit-exact (:func:`assert_bitexact`) for packing and anything that moves stored bytes;
+* a signal-to-noise floor in dB per format (:data:`SNR_FLOOR_DB`, :func:`snr_db`) for quantize->dequantize;
+* kernel vs oracle within a stated ``atol``/``rtol`` (:func:`assert_close`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpack.formats import KVFormat, QuantSpec
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype
+
+__all__ = [
+    "SNR_FLOOR_DB",
+    "assert_bitexact",
+    "assert_close",
+    "random_paged_kv",
+    "realistic_keys",
+    "snr_db",
+]
+
+# Quantize->dequantize floors on realistic_keys() data (Gaussian plus persistent outlier channels),
+# per spec string. Measured values sit a few dB above; a floor breaking means a real regression.
+SNR_FLOOR_DB: dict[str, float] = {
+    "fp16": 60.0,
+    "bf16": 45.0,
+    "int8:channel:sym:fp16": 38.0,
+    "int8:token:sym:fp16": 28.0,
+    "fp8_e4m3:head:fp16": 28.0,
+    "fp8_e5m2:head:fp16": 22.0,
+    "int4:channel:asym:fp16": 18.0,
+    "int4:g32:asym:fp16": 16.0,
+    "int2:channel:asym:fp16": 5.0,
+    "int2:g32:asym:fp16": 5.0,
+}
+
+
+def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``approx`` against ``reference`` in dB (inf when identical)."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).mean()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).mean() / noise))
+
+
+def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Same shape, same dtype, same bytes."""
+    assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{msg} dtype {actual.dtype} != {expected.dtype}"
+    a = actual.contiguous().view(torch.uint8) if actual.element_size() == 1 else actual
+    e = expected.contiguous().view(torch.uint8) if expected.element_size() == 1 else expected
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()
+        raise AssertionError(f"{msg} {len(bad)} elements differ, first at {bad[0].tolist()}")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, msg: str = "") -> None:
+    """``|actual - expected| <= atol + rtol * |expected|`` everywhere, and no NaN/inf in ``actual``."""
+    assert actual.shape == expected.shape, f"{msg} shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.double(), expected.double()
+    assert torch.isfinite(a).all(), f"{msg} non-finite values in the result"
+    err = (a - e).abs()
+    bound = atol + rtol * e.abs()
+    if (err > bound).any():
+        i = int((err - bound).argmax())
+        raise AssertionError(
+            f"{msg} max abs error {float(err.max()):.3g}; worst at flat index {i}: "
+            f"{float(a.flatten()[i]):.6g} vs {float(e.flatten()[i]):.6g} (atol={atol}, rtol={rtol})"
+        )
+
+
+def realistic_keys(
+    *shape: int, outlier_channels: int = 4, outlier_scale: float = 12.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Gaussian ``[..., H, T, D]`` float32 with a few persistent large channels per head, as keys have."""
+    x = torch.randn(*shape, generator=generator)
+    d = shape[-1]
+    h = shape[-3]
+    for head in range(h):
+        idx = torch.randperm(d, generator=generator)[:outlier_channels]
+        x[..., head, :, idx] = x[..., head, :, idx] * outlier_scale + outlier_scale / 2
+    return x
+
+
+def _poison_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor whose values make any stray read visible (NaN for floats, extreme codes otherwise)."""
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    if dtype == torch.uint8 and dtype.itemsize == 1:
+        return torch.full(shape, 0xFF, dtype=torch.uint8)
+    if dtype == torch.int8:
+        return torch.full(shape, -128, dtype=torch.int8)
+    return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)  # fp8: 0x7f is NaN in e4m3
+
+
+def _pool(spec: QuantSpec, blocks: list[torch.Tensor], ids: list[int], num_blocks: int, d: int):
+    """Quantize each ``[H, B, D]`` block and scatter it into poisoned pools at ``ids``."""
+    h, b = blocks[0].shape[0], blocks[0].shape[1] if blocks else (0, 0)
+    qts = [quantize(x, spec) for x in blocks]
+    data = _poison_like((num_blocks, h, b, spec.packed_head_dim(d)), payload_torch_dtype(spec))
+    scale = zero = None
+    shape = spec.scale_shape(h, b, d)
+    if shape is not None:
+        sdt = scale_torch_dtype(spec.scale_dtype)
+        scale = (
+            _poison_like((num_blocks, *shape), sdt)
+            if sdt.is_floating_point
+            else torch.full((num_blocks, *shape), 254, dtype=sdt)
+        )
+        if spec.has_zero:
+            zero = _poison_like((num_blocks, *shape), scale_torch_dtype(spec.zero_dtype))
+    for qt, i in zip(qts, ids):
+        data[i] = qt.data
+        if scale is not None:
+            scale[i] = qt.scale
+        if zero is not None:
+            zero[i] = qt.zero
+    return data, scale, zero
+
+
+def random_paged_kv(
+    fmt: KVFormat,
+    seq_lens: list[int],
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    tail_dtype: torch.dtype = torch.float32,
+    shuffle: bool = True,
+    spare_blocks: int = 3,
+    seed: int = 0,
+) -> tuple[PagedKV, list[torch.Tensor], list[torch.Tensor]]:
+    """A :class:`PagedKV` with fresh random (never zero) keys and values, built with the primitives.
+
+    Block ids are shuffled when ``shuffle`` (so the paged gather is really exercised); the null block,
+    spare blocks and tail slots past each sequence's length are poisoned (NaN or extreme codes).
+
+    Returns:
+        ``(kv, keys, values)``: the view, and per sequence the full-precision ``[H, seq_len, D]`` float32
+        keys and values that were stored (before quantization).
+    """
+    g = torch.Generator().manual_seed(seed)
+    b = fmt.block_size
+    total = sum(n // b for n in seq_lens)
+    num_blocks = 1 + total + spare_blocks
+    ids = list(range(1, num_blocks))
+    if shuffle:
+        ids = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
+    max_blocks = max(1, max(n // b for n in seq_lens) + 1)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    tail_k = torch.full((len(seq_lens), kv_heads, b, head_dim), float("nan"), dtype=tail_dtype)
+    tail_v = tail_k.clone()
+    keys, values, kblocks, vblocks, used = [], [], [], [], []
+    cursor = 0
+    for row, n in enumerate(seq_lens):
+        k = realistic_keys(kv_heads, n, head_dim, generator=g)
+        v = torch.randn(kv_heads, n, head_dim, generator=g)
+        k, v = k.to(tail_dtype).float(), v.to(tail_dtype).float()  # representable in the tail dtype
+        keys.append(k)
+        values.append(v)
+        nb, t = divmod(n, b)
+        for j in range(nb):
+            kblocks.append(k[:, j * b : (j + 1) * b])
+            vblocks.append(v[:, j * b : (j + 1) * b])
+            used.append(ids[cursor])
+            tables[row, j] = ids[cursor]
+            cursor += 1
+        tail_k[row, :, :t] = k[:, nb * b :].to(tail_dtype)
+        tail_v[row, :, :t] = v[:, nb * b :].to(tail_dtype)
+    if not kblocks:  # keep shapes valid when nothing is sealed
+        kblocks = [torch.randn(kv_heads, b, head_dim, generator=g)]
+        vblocks = [torch.randn(kv_heads, b, head_dim, generator=g)]
+        used = [ids[0]]
+    kd, ks, kz = _pool(fmt.key, kblocks, used, num_blocks, head_dim)
+    vd, vs, vz = _pool(fmt.value, vblocks, used, num_blocks, head_dim)
+    kv = PagedKV(
+        format=fmt,
+        head_dim=head_dim,
+        k_data=kd,
+        k_scale=ks,
+        k_zero=kz,
+        v_data=vd,
+        v_scale=vs,
+        v_zero=vz,
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        tail_k=tail_k,
+        tail_v=tail_v,
+    )
+    return kv, keys, values
