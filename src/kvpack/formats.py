@@ -511,7 +511,7 @@ def parse_format(text: str | KVFormat) -> KVFormat:
     if key is None or value is None:
         raise FormatError(f"{text!r}: a custom format needs both k= and v= (or kv=); {_help()}")
     fmt = KVFormat(key, value, block or 64)
-    for name, p in PRESETS.items():  # a custom string that spells a preset gets its name
+    for p in PRESETS.values():  # a custom string that spells a preset gets its name
         if p == fmt:
             return p
     return fmt
