@@ -62,6 +62,9 @@ def paged_attention_reference(
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         window: if given, a query at position ``p`` attends only positions ``> p - window``.
 
+    Positions before ``kv.start_pos`` (left padding) are masked. A query row with nothing to attend
+    (all masked) returns zeros.
+
     Returns:
         ``[batch, T, Hq, D]`` in ``q.dtype``.
     """
@@ -87,8 +90,11 @@ def paged_attention_reference(
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
+        if kv.start_pos is not None:
+            mask &= kpos >= int(kv.start_pos[row])
         scores = scores.masked_fill(~mask, float("-inf"))
-        out[row] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
+        out[row] = (probs @ v).transpose(0, 1)
     return out.to(q.dtype)
 
 

@@ -41,6 +41,9 @@ class PagedKV:
         tail_k: ``[batch, H, B, D]``, float16/bfloat16/float32: the full-precision tail; slot ``t`` holds
             position ``(seq_len // B) * B + t`` for ``t < seq_len % B``; other slots are garbage.
         tail_v: ``[batch, H, B, D]``, same dtype as ``tail_k``.
+        start_pos: optional ``[batch]``, dtype ``torch.int32``: positions before it are never attended (left
+            padding in a batch); combined with a sliding window, a query at ``p`` attends positions in
+            ``[max(start_pos, p - window + 1), p]``. ``None`` means 0 for every sequence.
     """
 
     format: KVFormat
@@ -55,6 +58,7 @@ class PagedKV:
     seq_lens: torch.Tensor
     tail_k: torch.Tensor
     tail_v: torch.Tensor
+    start_pos: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
