@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 
 from kvpack.errors import FormatError
@@ -201,12 +202,19 @@ class QuantSpec:
     Dequantization, per element (``s`` and ``z`` broadcast from the ``[Hs, Ts, Cs]`` scale arrays):
     symmetric int ``x = q * s`` (q signed); asymmetric int ``x = q * s + z`` (q unsigned, ``z`` a float
     offset, the group minimum); fp8 ``x = float(q) * s``; passthrough ``x = q``.
+
+    ``static=True`` means the scales come from a calibration artifact (:mod:`kvpack.calibration`) instead
+    of being chosen at seal time; :func:`kvpack.quant.choose_qparams` refuses such a spec, so a missing
+    artifact can never silently become a block-local (or default) scale. Static scales are per channel,
+    head or tensor: a per-token scale only exists once its token does. Storage is unchanged (each block
+    still carries its scale slot), so byte counts do not depend on this flag.
     """
 
     dtype: DType
     granularity: Granularity | None = None
     symmetric: bool = True
     scale_dtype: ScaleDType = ScaleDType.FP16
+    static: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -214,11 +222,18 @@ class QuantSpec:
         if self.dtype.is_passthrough:
             if self.granularity is not None:
                 raise FormatError(f"{self.dtype.value} is stored as is and takes no granularity")
+            if self.static:
+                raise FormatError(f"{self.dtype.value} is stored as is and has no scales to calibrate; drop 'static'")
             return
         if not isinstance(self.granularity, Granularity):
             raise FormatError(f"{self.dtype.value} needs a granularity: one of tensor, head, channel, token, g<N>")
         if self.dtype.is_fp8 and not self.symmetric:
             raise FormatError(f"{self.dtype.value} is symmetric only; drop 'asym'")
+        if self.static and isinstance(self.granularity, (PerToken, PerGroup)):
+            raise FormatError(
+                f"static (calibrated) scales are per channel, head or tensor, not per {self.granularity.name}: "
+                "a per-token scale is always computed when its token is sealed; drop 'static' or use 'channel'"
+            )
 
     # -- derived facts ------------------------------------------------------------------------------
     @property
@@ -293,6 +308,8 @@ class QuantSpec:
         if self.dtype.is_int:
             parts.append("sym" if self.symmetric else "asym")
         parts.append(self.scale_dtype.value)
+        if self.static:
+            parts.append("static")
         return ":".join(parts)
 
 
@@ -314,6 +331,11 @@ class KVFormat:
     @property
     def is_passthrough(self) -> bool:
         return self.key.is_passthrough and self.value.is_passthrough
+
+    @property
+    def is_static(self) -> bool:
+        """True when keys or values take calibrated scales (a calibration artifact is required)."""
+        return self.key.static or self.value.static
 
     def spec_string(self) -> str:
         """Canonical string; ``parse_format(f.spec_string()) == f``."""
@@ -421,7 +443,7 @@ def preset(name: str) -> KVFormat:
 
 # ----------------------------------------------------------------------------------------------------
 # String syntax:  PRESET[,block=N]   or   k=SPEC,v=SPEC[,block=N]   or   kv=SPEC[,block=N]
-# SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8
+# SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8 | static
 
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
@@ -431,12 +453,23 @@ SYNTAX_HELP = (
     "a format is a preset name ({presets}), optionally followed by ',block=N'; or a custom "
     "'k=SPEC,v=SPEC[,block=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
-    "fp32|fp16|bf16|e8m0 (alias fp8). Example: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64'"
+    "fp32|fp16|bf16|e8m0 (alias fp8), and 'static' for calibrated scales (needs a calibration artifact). "
+    "Example: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64'"
 )
 
 
 def _help() -> str:
     return SYNTAX_HELP.format(presets=", ".join(PRESETS), dtypes="|".join(d.value for d in DType))
+
+
+def _field_kind(field: str, is_group: bool) -> str | None:
+    if field == "static":
+        return "static"
+    if field in _GRAN_NAMES or is_group:
+        return "granularity"
+    if field in ("sym", "asym"):
+        return "symmetry"
+    return "scale dtype" if field in _SCALE_NAMES else None
 
 
 def _parse_spec(text: str, role: str) -> QuantSpec:
@@ -453,25 +486,34 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     gran: Granularity | None = None
     sym: bool | None = None
     scale = ScaleDType.FP16
+    static = False
+    seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
-        if p in _GRAN_NAMES:
-            gran = _GRAN_NAMES[p]
-        elif (p.startswith("g") and p[1:].isdigit()) or (p.startswith("group") and p[5:].isdigit()):
-            gran = PerGroup(int(p.lstrip("group")))
-        elif p in ("sym", "asym"):
-            sym = p == "sym"
-        elif p in _SCALE_NAMES:
-            scale = _SCALE_NAMES[p]
-        else:
+        group = re.fullmatch(r"g(?:roup)?([0-9]+)", p)
+        kind = _field_kind(p, group is not None)
+        if kind is None:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
-                "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0)"
+                "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static"
             )
+        if kind in seen:
+            raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
+        seen[kind] = p
+        if p == "static":
+            static = True
+        elif group:
+            gran = PerGroup(int(group.group(1)))
+        elif p in _GRAN_NAMES:
+            gran = _GRAN_NAMES[p]
+        elif p in ("sym", "asym"):
+            sym = p == "sym"
+        else:
+            scale = _SCALE_NAMES[p]
     if gran is None:  # the defaults DESIGN agreed on: keys per channel, values per token
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale)
+    return QuantSpec(dtype, gran, sym, scale, static)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:
@@ -499,7 +541,7 @@ def parse_format(text: str | KVFormat) -> KVFormat:
         elif name == "kv":
             key, value = _parse_spec(arg, "key"), _parse_spec(arg, "value")
         elif name in ("block", "block_size"):
-            if not arg.strip().isdigit() or int(arg) <= 0:
+            if not re.fullmatch(r"[0-9]+", arg.strip()) or int(arg) <= 0:
                 raise FormatError(f"block must be a positive integer, got {arg!r}")
             block = int(arg)
         else:

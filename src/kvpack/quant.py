@@ -12,6 +12,12 @@ Rounding rules that make the error bound hold for every finite input:
 * zero-points (asymmetric int) are rounded *down*, and the scale is then chosen from the rounded zero,
   so every element lies inside ``[z, z + qmax * s]``;
 * therefore an integer format reconstructs every element within half a quantization step ``s / 2``.
+
+That holds while the scales fit their storage: fp16 scales and zero-points hold magnitudes up to 65504
+(so int8 with fp16 scales covers ``|x|`` up to about 8e6, any fp16 input included), fp32, bf16 and E8M0
+scales cover every float32 input whose group range ``max - min`` is finite. Past that, stored scales and
+zero-points saturate at the largest finite value, as the fp8 casts do: values clip, nothing becomes
+inf or NaN. Positive scales are kept normal (never subnormal, never zero).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpack.errors import NonFiniteError, ShapeError
+from kvpack.errors import CalibrationError, NonFiniteError, ShapeError
 from kvpack.formats import DType, QuantSpec, ScaleDType
 
 __all__ = [
@@ -112,7 +118,11 @@ def encode_scale(s: torch.Tensor, scale_dtype: ScaleDType, round_up: bool = True
     """
     s = s.float()
     if scale_dtype is ScaleDType.FP32:
-        return s.clone()
+        if not round_up:
+            return s.clone()
+        # a subnormal scale has too few significant bits for the half-step bound: keep scales normal
+        f32 = torch.finfo(torch.float32)
+        return torch.where(s > 0, s.clamp(f32.tiny, f32.max), s)
     if scale_dtype is ScaleDType.E8M0:
         # 2**-126 .. 2**127, rounded up to a power of two
         mant, exp = torch.frexp(s.clamp(min=2.0**-126, max=2.0**127))
@@ -126,7 +136,8 @@ def encode_scale(s: torch.Tensor, scale_dtype: ScaleDType, round_up: bool = True
     out = torch.where(off, torch.nextafter(out, direction), out)
     if round_up:
         out = torch.where((s > 0) & (out.float() < info.tiny), torch.full_like(out, info.tiny), out)
-    return out
+    # saturate like the fp8 casts: past the storage range values clip instead of becoming inf/NaN
+    return out.clamp(-info.max, info.max)
 
 
 def decode_scale(stored: torch.Tensor, scale_dtype: ScaleDType) -> torch.Tensor:
@@ -210,10 +221,16 @@ def choose_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | Non
 
     Raises:
         NonFiniteError: ``x`` holds NaN or inf (the location is named).
+        CalibrationError: the spec is ``static``: its scales come from a calibration artifact, never from here.
     """
     _check_shape(x, spec)
     if spec.is_passthrough:
         return None, None
+    if spec.static:
+        raise CalibrationError(
+            f"spec {spec} takes static (calibrated) scales and none were given; run `kvpack calibrate` and "
+            "pass the artifact (kvpack.calibration.seal_with_static), or drop 'static' for block-local scales"
+        )
     shape = spec.granularity.scale_shape(*x.shape[-3:])
     xf = x.float()
     if spec.has_zero:

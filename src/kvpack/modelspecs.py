@@ -1,0 +1,172 @@
+"""Model shapes for capacity planning: a small built-in table, or a Hugging Face ``config.json``.
+
+Only what the cache size depends on is kept (layers, kv_heads, head_dim), plus the parameter count that
+gives the weights' size. Pure Python: reading a config never imports transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpack.errors import ConfigError
+
+__all__ = ["KNOWN_MODELS", "ModelShape", "estimate_params", "load_model_shape", "shape_from_config"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The cache-relevant shape of a decoder-only model.
+
+    ``params`` is the parameter count (``None`` when unknown); ``params_estimated`` says it was computed
+    from the config's matrix sizes rather than taken from a published figure.
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: int | None = None
+    attention_heads: int | None = None
+    params_estimated: bool = False
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "kv_heads", "head_dim"):
+            v = getattr(self, field_name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"model {self.name!r}: {field_name} must be a positive integer, got {v!r}")
+        if self.params is not None and self.params <= 0:
+            raise ConfigError(f"model {self.name!r}: parameter count must be positive, got {self.params!r}")
+
+    @property
+    def is_mqa(self) -> bool:
+        """One kv head shared by every query head (multi-query attention)."""
+        return self.kv_heads == 1
+
+    @property
+    def gqa_factor(self) -> int | None:
+        """Query heads per kv head (``None`` when the query head count is unknown)."""
+        if not self.attention_heads:
+            return None
+        return self.attention_heads // self.kv_heads
+
+
+def _m(name: str, layers: int, heads: int, kv_heads: int, head_dim: int, params_b: float) -> ModelShape:
+    return ModelShape(name, layers, kv_heads, head_dim, round(params_b * 1e9), heads)
+
+
+# Public figures from the models' config.json files and model cards (parameter counts rounded).
+KNOWN_MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in [
+        _m("llama-3.1-8b", 32, 32, 8, 128, 8.03),
+        _m("llama-3.1-70b", 80, 64, 8, 128, 70.6),
+        _m("llama-3.1-405b", 126, 128, 8, 128, 405.9),
+        _m("llama-3.2-1b", 16, 32, 8, 64, 1.24),
+        _m("llama-3.2-3b", 28, 24, 8, 128, 3.21),
+        _m("llama-2-7b", 32, 32, 32, 128, 6.74),
+        _m("mistral-7b", 32, 32, 8, 128, 7.25),
+        _m("mixtral-8x7b", 32, 32, 8, 128, 46.7),
+        _m("qwen2.5-0.5b", 24, 14, 2, 64, 0.494),
+        _m("qwen2.5-7b", 28, 28, 4, 128, 7.62),
+        _m("qwen2.5-72b", 80, 64, 8, 128, 72.7),
+        _m("phi-3-mini", 32, 32, 32, 96, 3.82),
+        _m("falcon-7b", 32, 71, 1, 64, 7.22),
+        _m("smollm2-135m", 30, 9, 3, 64, 0.1345),
+        _m("smollm2-360m", 32, 15, 5, 64, 0.362),
+        _m("smollm2-1.7b", 24, 32, 32, 64, 1.71),
+    ]
+}
+
+
+def _get(cfg: dict[str, Any], *names: str) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return None
+
+
+def estimate_params(cfg: dict[str, Any]) -> int | None:
+    """Parameter count of a Llama-style decoder from its config (embeddings, attention, gated MLP, norms).
+
+    Mixture-of-experts configs count every expert. Returns ``None`` when a needed size is missing.
+    """
+    hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
+    vocab = _get(cfg, "vocab_size")
+    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _get(cfg, "num_attention_heads", "n_head")
+    inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, vocab, layers, heads, inter)):
+        return None
+    kv_heads = _get(cfg, "num_key_value_heads") or heads
+    head_dim = _get(cfg, "head_dim") or hidden // heads
+    experts = _get(cfg, "num_local_experts", "num_experts") or 1
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o and k, v projections
+    mlp = 3 * hidden * inter * experts  # gate, up, down
+    router = hidden * experts if experts > 1 else 0
+    per_layer = attn + mlp + router + 2 * hidden  # two norms
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    return layers * per_layer + embed + hidden
+
+
+def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
+    """Read layers, kv_heads, head_dim (and an estimated parameter count) from a config dict."""
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the decoder here
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "tie_word_embeddings"}}
+    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _get(cfg, "num_attention_heads", "n_head")
+    kv_heads = _get(cfg, "num_key_value_heads", "num_kv_heads") or heads
+    hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
+    head_dim = _get(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    missing = [
+        n
+        for n, v in (("num_hidden_layers", layers), ("num_key_value_heads or num_attention_heads", kv_heads))
+        if v is None
+    ]
+    if head_dim is None:
+        missing.append("head_dim or hidden_size with num_attention_heads")
+    if missing:
+        raise ConfigError(
+            f"{name}: config lacks {', '.join(missing)}; give the shape with --layers, --kv-heads and --head-dim"
+        )
+    params = estimate_params(cfg)
+    return ModelShape(
+        name=name,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        params=params,
+        attention_heads=heads,
+        params_estimated=params is not None,
+    )
+
+
+def load_model_shape(name_or_path: str) -> ModelShape:
+    """A built-in model by name (case-insensitive), or the ``config.json`` at a path or inside a folder.
+
+    Raises:
+        ConfigError: unknown name, unreadable file, invalid JSON, or a config without the needed sizes.
+    """
+    key = name_or_path.strip().lower()
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        looks_like_path = any(c in name_or_path for c in "/\\") or name_or_path.endswith(".json")
+        what = f"no file {str(path)!r}" if looks_like_path else f"unknown model {name_or_path!r}"
+        raise ConfigError(
+            f"{what}; give a config.json path or folder, or one of the built-in models: {', '.join(KNOWN_MODELS)}"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read model config {str(path)!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model config {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model config {str(path)!r} is not a JSON object")
+    return shape_from_config(cfg, name=str(path.parent.name if path.name == "config.json" else path.name))

