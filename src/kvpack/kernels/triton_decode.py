@@ -1,0 +1,442 @@
+"""The ``triton`` backend: fused decode attention over the packed paged cache (GPU, or the interpreter).
+
+One program handles one sequence, one kv head (all of its query heads: one read of K/V per block for the
+whole group) and one split of the sequence's sealed blocks (flash-decoding). It dequantizes each block in
+registers (key scales folded into the query where the granularity allows), keeps an online softmax in
+float32, and the last split attends the full-precision tail. Splits are merged with a log-sum-exp in a
+second small kernel. Dequantized K/V never reach memory.
+
+The jit code is in :mod:`kvpack.kernels.triton_kernels`; this module checks shapes, chooses the number
+of splits and launches. Triton is imported lazily, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvpack.errors import ShapeError, UnsupportedError
+from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+
+__all__ = [
+    "Launch",
+    "compile_launch",
+    "decode_attention",
+    "default_num_splits",
+    "launch_config",
+    "plan",
+    "reasons_unsupported",
+    "spec_constants",
+]
+
+_LOG2E = 1.4426950408889634
+_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains in parallelism
+MAX_SPLITS = 64
+
+
+@lru_cache(maxsize=1)
+def _triton_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton is not importable ({e}); pip install 'kvpack[triton]'"
+    return None
+
+
+def _kernels() -> ModuleType:
+    from kvpack.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def _interpreter_bf16_dot_ok() -> bool:
+    """Whether the Triton interpreter multiplies bfloat16 dot operands correctly (a 16 x 16 probe)."""
+    a = torch.eye(16, dtype=torch.bfloat16) * 2
+    b = torch.full((16, 16), 1.5, dtype=torch.bfloat16)
+    o = torch.zeros(16, 16)
+    _kernels().bf16_dot_probe[(1,)](a, b, o)
+    return bool(torch.equal(o, torch.full((16, 16), 3.0)))
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _per(spec: QuantSpec) -> int:
+    """Elements per payload byte: 2 for int4, 4 for int2, else 1."""
+    return 8 // spec.bits if spec.bits < 8 else 1
+
+
+def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: int) -> dict[str, int | bool]:
+    """The kernel's compile-time description of one spec: ``KIND``, ``BITS``, ``PER``, ``SCALE``, ``CGROUP``,
+    ``E8M0`` (see :mod:`kvpack.kernels.triton_kernels`)."""
+    if spec.is_passthrough:
+        kind = 0
+    elif spec.dtype.is_fp8:
+        kind = 3
+    else:
+        kind = 1 if spec.symmetric else 2
+    shape = spec.scale_shape(kv_heads, block_size, head_dim)
+    if shape is None:
+        scale, cs = 0, 1
+    else:
+        _, ts, cs = shape
+        scale = {(False, False): 1, (False, True): 2, (True, False): 3, (True, True): 4}[(ts > 1, cs > 1)]
+    return {
+        "KIND": kind,
+        "BITS": spec.bits,
+        "PER": _per(spec),
+        "SCALE": scale,
+        "CGROUP": head_dim // cs,
+        "E8M0": spec.scale_dtype is ScaleDType.E8M0,
+    }
+
+
+def _spec_reasons(role: str, spec: QuantSpec, head_dim: int) -> list[str]:
+    reasons = []
+    if spec.granularity is not None and not isinstance(
+        spec.granularity, (PerTensor, PerHead, PerChannel, PerToken, PerGroup)
+    ):
+        reasons.append(f"{role}: granularity {spec.granularity!r} is not one the kernel knows")
+    if spec.dtype in (DType.INT4, DType.INT2) and _pow2(head_dim) and head_dim // _per(spec) < 16:
+        reasons.append(
+            f"{role}: {spec.dtype.value} needs head_dim >= {16 * _per(spec)} (each packed part feeds a dot of "
+            f"at least 16), got {head_dim}"
+        )
+    reasons += [f"{role}: {r}" for r in spec.reasons_invalid(head_dim)]
+    return reasons
+
+
+def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
+    """Why the Triton kernel cannot run this case (empty list: it can)."""
+    err = _triton_error()
+    if err:
+        return [err]
+    reasons: list[str] = []
+    if q.is_cuda:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if major < 8:
+            reasons.append(
+                f"the Triton kernel needs an Ampere or newer GPU (compute capability 8.0), got {major}.{minor}"
+            )
+        fp8 = DType.FP8_E4M3 in (kv.format.key.dtype, kv.format.value.dtype)
+        if fp8 and (major, minor) < (8, 9):
+            reasons.append(f"fp8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper), got {major}.{minor}")
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        reasons.append(
+            "tensors are on the CPU: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 for tests)"
+        )
+    elif not _kernels().INTERPRETED:
+        reasons.append("the Triton kernels were compiled for the GPU before TRITON_INTERPRET=1 was set; set it first")
+    elif q.dtype == torch.bfloat16 and not _interpreter_bf16_dot_ok():
+        reasons.append(
+            "bfloat16 queries under the Triton interpreter: its bf16 dot multiplies raw bit patterns (upstream "
+            "triton issue 8322); use float16 or float32 queries there (a GPU is not affected)"
+        )
+    if q.dtype not in _Q_DTYPES:
+        reasons.append(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    d, b = kv.head_dim, kv.block_size
+    if not (_pow2(d) and 16 <= d <= 256):
+        reasons.append(f"head_dim must be a power of two in [16, 256], got {d}")
+    if not (_pow2(b) and 16 <= b <= 256):
+        reasons.append(f"block_size must be a power of two in [16, 256], got {b}; use block=16, 32, 64 or 128")
+    if kv.tail_k.dtype not in _Q_DTYPES:
+        reasons.append(f"the tail must be float16, bfloat16 or float32, got {kv.tail_k.dtype}")
+    reasons += _spec_reasons("keys", kv.format.key, d)
+    reasons += _spec_reasons("values", kv.format.value, d)
+    if window is not None and window < 1:
+        reasons.append(f"window must be a positive number of positions, got {window}")
+    return reasons
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shape checks
+
+
+def _check_pool(name: str, data: torch.Tensor, scale, zero, spec: QuantSpec, kv: PagedKV) -> None:
+    h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
+    want = (h, b, spec.packed_head_dim(d))
+    if data.dim() != 4 or tuple(data.shape[1:]) != want or data.dtype != payload_torch_dtype(spec):
+        raise ShapeError(
+            f"{name}_data must be [num_blocks, {h}, {b}, {want[2]}] {payload_torch_dtype(spec)} for {spec}, "
+            f"got {tuple(data.shape)} {data.dtype}"
+        )
+    if data.stride(-1) != 1:
+        raise ShapeError(f"{name}_data must be contiguous in its last axis; pass .contiguous()")
+    shape = spec.scale_shape(h, b, d)
+    for what, t, dt in (
+        ("scale", scale, spec.scale_dtype),
+        ("zero", zero if spec.has_zero else None, spec.zero_dtype),
+    ):
+        needed = shape is not None and (what == "scale" or spec.has_zero)
+        if not needed:
+            continue
+        if t is None:
+            raise ShapeError(f"{name}_{what} is missing: {spec} stores a {what} per {list(shape)} of a block")
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != scale_torch_dtype(dt):
+            raise ShapeError(
+                f"{name}_{what} must be [num_blocks, {', '.join(map(str, shape))}] {scale_torch_dtype(dt)}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+        if t.shape[0] != data.shape[0]:
+            raise ShapeError(f"{name}_{what} has {t.shape[0]} blocks but {name}_data has {data.shape[0]}")
+
+
+def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+    batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
+    if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != d or q.shape[1] % h:
+        raise ShapeError(
+            f"q must be [batch={batch}, Hq (a multiple of kv_heads={h}), head_dim={d}], got {tuple(q.shape)}"
+        )
+    _check_pool("k", kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv)
+    _check_pool("v", kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv)
+    for name, t in (("tail_k", kv.tail_k), ("tail_v", kv.tail_v)):
+        if tuple(t.shape) != (batch, h, b, d) or t.stride(-1) != 1:
+            raise ShapeError(f"{name} must be [{batch}, {h}, {b}, {d}] contiguous in head_dim, got {tuple(t.shape)}")
+    if kv.tail_v.dtype != kv.tail_k.dtype:
+        raise ShapeError(f"tail_k and tail_v must share a dtype, got {kv.tail_k.dtype} and {kv.tail_v.dtype}")
+    if kv.block_tables.dtype != torch.int32 or kv.block_tables.dim() != 2 or kv.block_tables.shape[0] != batch:
+        raise ShapeError(f"block_tables must be [batch={batch}, max_blocks] int32, got {tuple(kv.block_tables.shape)} "
+                         f"{kv.block_tables.dtype}")  # fmt: skip
+    if kv.seq_lens.dtype != torch.int32 or tuple(kv.seq_lens.shape) != (batch,):
+        raise ShapeError(f"seq_lens must be [batch={batch}] int32, got {tuple(kv.seq_lens.shape)} {kv.seq_lens.dtype}")
+    if kv.start_pos is not None and (kv.start_pos.dtype != torch.int32 or tuple(kv.start_pos.shape) != (batch,)):
+        raise ShapeError(f"start_pos must be [batch={batch}] int32, got {tuple(kv.start_pos.shape)}")
+    tensors = [kv.k_data, kv.v_data, kv.block_tables, kv.seq_lens, kv.tail_k, kv.tail_v]
+    tensors += [t for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos) if t is not None]
+    for t in tensors:
+        if t.device != q.device:
+            raise ShapeError(f"every cache tensor must be on q's device {q.device}, found one on {t.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
+    if out is not None and out.stride(-1) != 1:
+        raise ShapeError("out must be contiguous in its last axis")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch
+
+
+def default_num_splits(kv: PagedKV, window: int | None = None, device: torch.device | None = None) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU (about 4 per SM), never fewer than
+    ``MIN_BLOCKS_PER_SPLIT`` blocks per split. Uses only shapes (no device sync)."""
+    device = device or kv.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    blocks = kv.block_tables.shape[1]
+    if window is not None:
+        blocks = min(blocks, math.ceil(window / kv.block_size) + 1)
+    want = math.ceil(4 * sms / max(1, kv.batch * kv.kv_heads))
+    cap = max(1, blocks // MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def _scale_args(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
+    """Pointer and (block, head, token, channel) strides, 0 on axes of size 1 (shared by the granularity)."""
+    if t is None:
+        return (fallback, 0, 0, 0, 0)
+    return (t, t.stride(0), *(t.stride(i) if t.shape[i] > 1 else 0 for i in (1, 2, 3)))
+
+
+def launch_config(head_dim: int, block_size: int, group: int) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` for a tile of ``block_size x head_dim`` (H100/H200 defaults)."""
+    big = block_size * head_dim >= 64 * 128 or group > 16
+    return {"num_warps": 8 if big else 4, "num_stages": 2}
+
+
+@dataclass
+class Launch:
+    """One kernel launch, spelled out: used to run it, and to compile it ahead of time for a GPU target."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: list
+    constexprs: dict[str, Any]
+    options: dict[str, int]
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def plan(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[list[Launch], torch.Tensor]:
+    """Check the case and build the launches (decode, then the merge when split) and the output tensor.
+
+    Arguments as :func:`decode_attention`. Nothing runs; :func:`compile_for_gpu` uses the same plan.
+    """
+    _check(q, kv, out)
+    k = _kernels()
+    batch, hq, d = q.shape
+    h, b = kv.kv_heads, kv.block_size
+    group = hq // h
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    splits = default_num_splits(kv, window, q.device) if num_splits is None else int(num_splits)
+    if splits < 1:
+        raise ShapeError(f"num_splits must be at least 1, got {splits}")
+    result = torch.empty_like(q) if out is None else out
+    if splits > 1:
+        acc = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = result  # not read
+    kc = spec_constants(kv.format.key, h, b, d)
+    vc = spec_constants(kv.format.value, h, b, d)
+    start = kv.start_pos if kv.start_pos is not None else kv.seq_lens  # not read without start_pos
+    args = [
+        q, q.stride(0), q.stride(1),
+        kv.k_data, kv.k_data.stride(0), kv.k_data.stride(1), kv.k_data.stride(2),
+        *_scale_args(kv.k_scale, kv.k_data),
+        *_scale_args(kv.k_zero, kv.k_data),
+        kv.v_data, kv.v_data.stride(0), kv.v_data.stride(1), kv.v_data.stride(2),
+        *_scale_args(kv.v_scale, kv.v_data),
+        *_scale_args(kv.v_zero, kv.v_data),
+        kv.block_tables, kv.block_tables.stride(0),
+        kv.seq_lens, start,
+        kv.tail_k, kv.tail_k.stride(0), kv.tail_k.stride(1), kv.tail_k.stride(2),
+        kv.tail_v, kv.tail_v.stride(0), kv.tail_v.stride(1), kv.tail_v.stride(2),
+        result, result.stride(0), result.stride(1),
+        acc, acc.stride(0), acc.stride(1), acc.stride(2) if splits > 1 else 0,
+        ml, ml.stride(0), ml.stride(1), ml.stride(2) if splits > 1 else 0,
+        sm_scale * _LOG2E, 0 if window is None else int(window), splits,
+    ]  # fmt: skip
+    constexprs = {
+        "GROUP": group,
+        "BLOCK_G": max(16, _next_pow2(group)),
+        "HEAD_DIM": d,
+        "BLOCK_SIZE": b,
+        "SPLIT": splits > 1,  # the split count itself is a runtime argument: no recompiles
+        "HAS_START": kv.start_pos is not None,
+        "HAS_WINDOW": window is not None,
+        **{f"K_{n}": v for n, v in kc.items()},
+        **{f"V_{n}": v for n, v in vc.items()},
+        # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate.
+        "DOT": {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype],
+    }
+    cfg = launch_config(d, b, group)
+    cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
+    launches = [Launch(k.paged_decode_kernel, (batch, h, splits), args, constexprs, cfg)]
+    if splits > 1:
+        margs = [
+            acc, acc.stride(0), acc.stride(1), acc.stride(2),
+            ml, ml.stride(0), ml.stride(1), ml.stride(2),
+            result, result.stride(0), result.stride(1),
+            splits,
+        ]  # fmt: skip
+        mconst = {"BLOCK_S": max(2, _next_pow2(splits)), "HEAD_DIM": d}
+        launches.append(Launch(k.merge_splits_kernel, (batch, hq), margs, mconst, {"num_warps": 4 if d >= 128 else 2}))
+    return launches, result
+
+
+def compile_launch(launch: Launch, arch: int = 90) -> dict[str, Any]:
+    """Compile ``launch`` ahead of time for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200),
+    specializing its arguments the way a real launch does; no GPU needed (Triton ships ``ptxas``).
+
+    Returns ``{"name", "num_warps", "shared", "registers", "local"}``: ``local`` (bytes of local memory per
+    thread) above zero means register spills. Used by the tests to prove the kernels build for Hopper.
+    """
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    fn = launch.kernel
+    if _kernels().INTERPRETED:
+        raise UnsupportedError(
+            "compile_launch needs kernels built for the GPU: run it in a process without TRITON_INTERPRET=1"
+        )
+    names = fn.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, launch.args)):
+        ty, key = native_specialize_impl(CUDABackend, value, False, True, True)
+        if ty == "constexpr":  # an int equal to 1 is specialized away, as at a real launch
+            constexprs[name] = value
+            signature[name] = "constexpr"
+        else:
+            signature[name] = ty
+            if key:
+                attrs[(i,)] = CUDABackend.parse_attr(key)
+    for name, value in launch.constexprs.items():
+        constexprs[name] = value
+        signature[name] = "constexpr"
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+    usage = {
+        "name": compiled.metadata.name,
+        "num_warps": compiled.metadata.num_warps,
+        "shared": compiled.metadata.shared,
+    }
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    for field, key in (("REG", "registers"), ("LOCAL", "local")):
+        hit = [w for w in text.replace(",", " ").split() if w.startswith(field + ":")]
+        usage[key] = int(hit[0].split(":")[1]) if hit else -1
+    return usage
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query per sequence, over its paged history (see ``kvpack.kernels``).
+
+    Args:
+        q: ``[batch, Hq, D]``, float16/bfloat16/float32; ``Hq`` a multiple of ``kv.kv_heads``.
+        kv: the layer's :class:`PagedKV` (the query's own token already in the cache).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        window: attend only the last ``window`` positions (the query's included).
+        out: optional ``[batch, Hq, D]`` buffer in ``q.dtype``.
+        num_splits: splits of each sequence's blocks (default :func:`default_num_splits`).
+        num_warps, num_stages: launch options (default :func:`launch_config`).
+
+    Returns:
+        ``[batch, Hq, D]`` in ``q.dtype``. A sequence with nothing to attend gets zeros.
+
+    Raises:
+        UnsupportedError: the case is outside what the kernel runs (the reasons are listed).
+        ShapeError: a tensor has the wrong shape, dtype or device.
+    """
+    reasons = reasons_unsupported(q, kv, window)
+    if reasons:
+        raise UnsupportedError("the triton backend cannot run this case: " + "; ".join(reasons), reasons)
+    launches, result = plan(
+        q, kv, sm_scale, window, out, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages
+    )
+    for launch in launches:
+        launch.run()
+    return result
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

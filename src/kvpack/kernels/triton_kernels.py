@@ -1,0 +1,606 @@
+"""Triton code only: the paged decode kernel, its split merge, and the seal (write-path) kernel.
+
+Launchers live in :mod:`kvpack.kernels.triton_decode` and :mod:`kvpack.kernels.triton_seal`; they check
+shapes and turn a :class:`~kvpack.formats.QuantSpec` into the compile-time constants used here:
+
+* ``KIND``: 0 float passthrough, 1 symmetric int (offset binary below 8 bits), 2 asymmetric int
+  (unsigned codes plus a float zero), 3 fp8.
+* ``SCALE``: 0 none, 1 one scalar per block and head (tensor / head), 2 per channel, 3 per token,
+  4 per token and channel group. Scale arrays are indexed ``[block, head, token, channel // CGROUP]`` with
+  stride 0 on the axes the granularity shares.
+* ``PER``: elements per payload byte (1, or 2 for int4, 4 for int2). A packed tile is never interleaved
+  in registers: part ``j`` of a tile holds channels ``c = i * PER + j``, and the query and the output
+  accumulators are split the same way, so the dot products run on contiguous bytes.
+
+This module imports triton at module level; import it only after ``TRITON_INTERPRET`` is settled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Kernels defined while TRITON_INTERPRET=1 run on CPU tensors through the interpreter, never on a GPU.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+KIND_FLOAT, KIND_SYM, KIND_ASYM, KIND_FP8 = 0, 1, 2, 3
+SCALE_NONE, SCALE_SCALAR, SCALE_CHANNEL, SCALE_TOKEN, SCALE_GROUP = 0, 1, 2, 3, 4
+SDT_FP32, SDT_FP16, SDT_BF16, SDT_E8M0 = 0, 1, 2, 3
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+@triton.jit
+def _decode_scale(stored, E8M0: tl.constexpr):
+    """Stored scale or zero -> float32; E8M0 exponents e -> 2**(e - 127), built from the bits (exact)."""
+    if E8M0:
+        return (stored.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        return stored.to(tl.float32)
+
+
+@triton.jit
+def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Part ``J`` of a loaded payload tile as float32: integer codes (signed when symmetric) or values."""
+    if KIND == 1 or KIND == 2:
+        if BITS == 8:
+            c = raw.to(tl.float32)
+        else:
+            c = ((raw >> (J * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            if KIND == 1:
+                c = c - (1 << (BITS - 1))  # offset binary
+    else:
+        c = raw.to(tl.float32)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode: one program = one sequence, one kv head (all its query heads), one split of the blocks.
+
+
+@triton.jit
+def _group_params(base, offs_t, offs_c, st, sc, E8M0: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr,
+                  PER: tl.constexpr, CGROUP: tl.constexpr):  # fmt: skip
+    """Per-(token, channel group) scales or zeros of one part as a float32 ``[BLOCK_SIZE, DP]`` tile.
+
+    When a group spans whole payload bytes (``CGROUP % PER == 0``), the columns of a part fall into groups in
+    runs of ``CGROUP // PER``: load the small contiguous ``[BLOCK_SIZE, groups]`` array once and broadcast it
+    in registers instead of gathering one element per column.
+    """
+    if CGROUP % PER == 0:
+        CS: tl.constexpr = DP * PER // CGROUP
+        small = _decode_scale(tl.load(base + offs_t[:, None] * st + tl.arange(0, CS)[None, :] * sc), E8M0)
+        return tl.reshape(tl.broadcast_to(small[:, :, None], [BLOCK_SIZE, CS, CGROUP // PER]), [BLOCK_SIZE, DP])
+    else:
+        return _decode_scale(tl.load(base + offs_t[:, None] * st + (offs_c // CGROUP)[None, :] * sc), E8M0)
+
+
+@triton.jit
+def _key_scores(
+    q,  # [BLOCK_G, DP] float32 query part (already times sm_scale * log2(e))
+    qd,  # the same in the dot dtype
+    raw,  # [BLOCK_SIZE, DP] payload tile (bytes for packed formats)
+    s_base,
+    z_base,  # scale / zero pointers of this block and head
+    offs_t,  # [BLOCK_SIZE] token index in the block
+    offs_c,  # [DP] logical channels of part J
+    s_st,
+    s_sc,
+    z_st,
+    z_sc,
+    J: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE: tl.constexpr,
+    CGROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DP: tl.constexpr,
+    PER: tl.constexpr,
+):
+    """Scores ``[BLOCK_G, BLOCK_SIZE]`` (log2 units) contributed by the channels of part ``J``.
+
+    Per-channel and scalar key scales are folded into the query; per-token scales multiply the scores;
+    asymmetric zeros add ``sum(q * z)``; only per-group scales dequantize the tile in registers.
+    """
+    c = _codes(raw, J, KIND, BITS)
+    if SCALE == 0:
+        sc = tl.dot(qd, tl.trans(c.to(DOT)))
+    elif SCALE == 1:
+        s = _decode_scale(tl.load(s_base), E8M0)
+        sc = tl.dot(qd, tl.trans(c.to(DOT))) * s
+        if KIND == 2:
+            z = tl.load(z_base).to(tl.float32)
+            sc += z * tl.sum(q, axis=1)[:, None]
+    elif SCALE == 2:
+        s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
+        sc = tl.dot((q * s[None, :]).to(DOT), tl.trans(c.to(DOT)))
+        if KIND == 2:
+            z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
+            sc += tl.sum(q * z[None, :], axis=1)[:, None]
+    elif SCALE == 3:
+        s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
+        sc = tl.dot(qd, tl.trans(c.to(DOT))) * s[None, :]
+        if KIND == 2:
+            z = tl.load(z_base + offs_t * z_st).to(tl.float32)
+            sc += tl.sum(q, axis=1)[:, None] * z[None, :]
+    else:
+        k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP)
+        if KIND == 2:
+            k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP)
+        sc = tl.dot(qd, tl.trans(k.to(DOT)))
+    return sc
+
+
+@triton.jit
+def _value_part(
+    p,  # [BLOCK_G, BLOCK_SIZE] float32 probabilities (unnormalized)
+    pd,  # the same in the dot dtype
+    raw,  # [BLOCK_SIZE, DP] payload tile
+    s_base,
+    z_base,
+    offs_t,
+    offs_c,
+    s_st,
+    s_sc,
+    z_st,
+    z_sc,
+    J: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    SCALE: tl.constexpr,
+    CGROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DP: tl.constexpr,
+    PER: tl.constexpr,
+):
+    """``p @ V`` for the channels of part ``J``: ``[BLOCK_G, DP]`` float32.
+
+    Per-token value scales are folded into ``p``; scalar and per-channel scales multiply the result;
+    zeros add ``sum(p * z)``; per-group scales dequantize the tile in registers.
+    """
+    c = _codes(raw, J, KIND, BITS)
+    if SCALE == 0:
+        o = tl.dot(pd, c.to(DOT))
+    elif SCALE == 1:
+        s = _decode_scale(tl.load(s_base), E8M0)
+        o = tl.dot(pd, c.to(DOT)) * s
+        if KIND == 2:
+            z = tl.load(z_base).to(tl.float32)
+            o += z * tl.sum(p, axis=1)[:, None]
+    elif SCALE == 2:
+        s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
+        o = tl.dot(pd, c.to(DOT)) * s[None, :]
+        if KIND == 2:
+            z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
+            o += tl.sum(p, axis=1)[:, None] * z[None, :]
+    elif SCALE == 3:
+        s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
+        o = tl.dot((p * s[None, :]).to(DOT), c.to(DOT))
+        if KIND == 2:
+            z = tl.load(z_base + offs_t * z_st).to(tl.float32)
+            o += tl.sum(p * z[None, :], axis=1)[:, None]
+    else:
+        v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP)
+        if KIND == 2:
+            v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP)
+        o = tl.dot(pd, v.to(DOT))
+    return o
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax in base 2: new running max, the rescale factor of the old sums, probabilities."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet stays at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_new, alpha, p
+
+
+@triton.jit
+def _tail_part(rows, offs_p, t_mask, J: tl.constexpr, PER: tl.constexpr, DOT: tl.constexpr):
+    """Channels ``i * PER + J`` of the used tail slots ``[BLOCK_SIZE, D // PER]`` in the dot dtype (unused
+    slots are not loaded: they read as 0)."""
+    return tl.load(rows + (offs_p * PER + J)[None, :], mask=t_mask, other=0.0).to(DOT)
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, sq_b, sq_h,  # q [batch, Hq, D]
+    kd_ptr, skd_n, skd_h, skd_t,  # k_data [num_blocks, H, B, Pk]
+    ks_ptr, sks_n, sks_h, sks_t, sks_c,  # k_scale [num_blocks, Hs, Ts, Cs] (stride 0 where shared)
+    kz_ptr, skz_n, skz_h, skz_t, skz_c,  # k_zero, same layout
+    vd_ptr, svd_n, svd_h, svd_t,
+    vs_ptr, svs_n, svs_h, svs_t, svs_c,
+    vz_ptr, svz_n, svz_h, svz_t, svz_c,
+    bt_ptr, sbt_b,  # block_tables [batch, max_blocks] int32
+    seq_ptr, start_ptr,  # seq_lens [batch] int32, start_pos [batch] int32
+    tk_ptr, stk_b, stk_h, stk_t,  # tail_k [batch, H, B, D]
+    tv_ptr, stv_b, stv_h, stv_t,
+    o_ptr, so_b, so_h,  # out [batch, Hq, D] (written here when not SPLIT)
+    acc_ptr, sacc_b, sacc_h, sacc_s,  # partial sums [batch, Hq, splits, D] float32
+    ml_ptr, sml_b, sml_h, sml_s,  # partial (max, sum) [batch, Hq, splits, 2] float32
+    qk_scale, window, num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, K_SCALE: tl.constexpr,
+    K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
+    V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    DK: tl.constexpr = HEAD_DIM // K_PER
+    DV: tl.constexpr = HEAD_DIM // V_PER
+
+    seq_len = tl.load(seq_ptr + pid_b)
+    n_sealed = seq_len // BLOCK_SIZE
+    lo = seq_len * 0  # first attended position
+    if HAS_START:
+        lo = tl.maximum(lo, tl.load(start_ptr + pid_b))
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - window)  # the query sits at seq_len - 1
+    first = lo // BLOCK_SIZE  # blocks before it are never read (they may be released: id 0)
+    per_split = (tl.maximum(n_sealed - first, 0) + num_splits - 1) // num_splits
+    blk_lo = first + pid_s * per_split
+    blk_hi = tl.minimum(blk_lo + per_split, n_sealed)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_pk = tl.arange(0, DK)  # payload byte (or element) index of a key row
+    offs_pv = tl.arange(0, DV)
+    g_mask = offs_g < GROUP
+    heads = pid_h * GROUP + offs_g
+
+    # The query of the kv head's GROUP query heads, split like the key payload: part j holds c = i*K_PER + j.
+    q_rows = q_ptr + pid_b * sq_b + heads[:, None] * sq_h
+    q0 = tl.load(q_rows + (offs_pk * K_PER)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if K_PER >= 2:
+        q1 = tl.load(q_rows + (offs_pk * K_PER + 1)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q1 = q1 * qk_scale
+    if K_PER >= 4:
+        q2 = tl.load(q_rows + (offs_pk * K_PER + 2)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(q_rows + (offs_pk * K_PER + 3)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q2 = q2 * qk_scale
+        q3 = q3 * qk_scale
+    qd0 = q0.to(DOT)
+    qd1 = q1.to(DOT)
+    qd2 = q2.to(DOT)
+    qd3 = q3.to(DOT)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, DV], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, DV], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, DV], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, DV], tl.float32)
+
+    # fmt: off
+    for i in range(blk_lo, blk_hi):
+        blk = tl.load(bt_ptr + pid_b * sbt_b + i).to(tl.int64)
+        # ---- keys: scores of this block, scales folded where the granularity allows
+        raw = tl.load(kd_ptr + blk * skd_n + pid_h * skd_h + offs_t[:, None] * skd_t + offs_pk[None, :])
+        sb = ks_ptr + blk * sks_n + pid_h * sks_h
+        zb = kz_ptr + blk * skz_n + pid_h * skz_h
+        s = _key_scores(q0, qd0, raw, sb, zb, offs_t, offs_pk * K_PER, sks_t, sks_c, skz_t, skz_c,
+                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+        if K_PER >= 2:
+            s += _key_scores(q1, qd1, raw, sb, zb, offs_t, offs_pk * K_PER + 1, sks_t, sks_c, skz_t, skz_c,
+                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+        if K_PER >= 4:
+            s += _key_scores(q2, qd2, raw, sb, zb, offs_t, offs_pk * K_PER + 2, sks_t, sks_c, skz_t, skz_c,
+                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+            s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
+                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+        s = tl.where((i * BLOCK_SIZE + offs_t >= lo)[None, :], s, float("-inf"))
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        pd = p.to(DOT)
+        # ---- values
+        raw = tl.load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :])
+        sb = vs_ptr + blk * svs_n + pid_h * svs_h
+        zb = vz_ptr + blk * svz_n + pid_h * svz_h
+        acc0 = acc0 * alpha[:, None] + _value_part(
+            p, pd, raw, sb, zb, offs_t, offs_pv * V_PER, svs_t, svs_c, svz_t, svz_c,
+            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+        if V_PER >= 2:
+            acc1 = acc1 * alpha[:, None] + _value_part(
+                p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 1, svs_t, svs_c, svz_t, svz_c,
+                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+        if V_PER >= 4:
+            acc2 = acc2 * alpha[:, None] + _value_part(
+                p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 2, svs_t, svs_c, svz_t, svz_c,
+                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+            acc3 = acc3 * alpha[:, None] + _value_part(
+                p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 3, svs_t, svs_c, svz_t, svz_c,
+                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+    # fmt: on
+
+    # ---- the full-precision tail, attended last by the last split
+    if pid_s == num_splits - 1:
+        n_tail = seq_len - n_sealed * BLOCK_SIZE
+        t_mask = (offs_t < n_tail)[:, None]  # never load unused (poisoned) tail slots
+        tk = tk_ptr + pid_b * stk_b + pid_h * stk_h + offs_t[:, None] * stk_t
+        s = tl.dot(qd0, tl.trans(_tail_part(tk, offs_pk, t_mask, 0, K_PER, DOT)))
+        if K_PER >= 2:
+            s += tl.dot(qd1, tl.trans(_tail_part(tk, offs_pk, t_mask, 1, K_PER, DOT)))
+        if K_PER >= 4:
+            s += tl.dot(qd2, tl.trans(_tail_part(tk, offs_pk, t_mask, 2, K_PER, DOT)))
+            s += tl.dot(qd3, tl.trans(_tail_part(tk, offs_pk, t_mask, 3, K_PER, DOT)))
+        valid = (offs_t < n_tail) & (n_sealed * BLOCK_SIZE + offs_t >= lo)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        pd = p.to(DOT)
+        tv = tv_ptr + pid_b * stv_b + pid_h * stv_h + offs_t[:, None] * stv_t
+        acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 0, V_PER, DOT))
+        if V_PER >= 2:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 1, V_PER, DOT))
+        if V_PER >= 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 2, V_PER, DOT))
+            acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 3, V_PER, DOT))
+
+    # ---- results: normalized output when there is one split, else the partial sums for the merge
+    if not SPLIT:
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # nothing attended -> zeros
+        rows = o_ptr + pid_b * so_b + heads[:, None] * so_h
+        ety = o_ptr.dtype.element_ty
+        tl.store(rows + (offs_pv * V_PER)[None, :], (acc0 * inv[:, None]).to(ety), mask=g_mask[:, None])
+        if V_PER >= 2:
+            tl.store(rows + (offs_pv * V_PER + 1)[None, :], (acc1 * inv[:, None]).to(ety), mask=g_mask[:, None])
+        if V_PER >= 4:
+            tl.store(rows + (offs_pv * V_PER + 2)[None, :], (acc2 * inv[:, None]).to(ety), mask=g_mask[:, None])
+            tl.store(rows + (offs_pv * V_PER + 3)[None, :], (acc3 * inv[:, None]).to(ety), mask=g_mask[:, None])
+    else:
+        rows = acc_ptr + pid_b * sacc_b + heads[:, None] * sacc_h + pid_s * sacc_s
+        tl.store(rows + (offs_pv * V_PER)[None, :], acc0, mask=g_mask[:, None])
+        if V_PER >= 2:
+            tl.store(rows + (offs_pv * V_PER + 1)[None, :], acc1, mask=g_mask[:, None])
+        if V_PER >= 4:
+            tl.store(rows + (offs_pv * V_PER + 2)[None, :], acc2, mask=g_mask[:, None])
+            tl.store(rows + (offs_pv * V_PER + 3)[None, :], acc3, mask=g_mask[:, None])
+        ml = ml_ptr + pid_b * sml_b + heads * sml_h + pid_s * sml_s
+        tl.store(ml, m_i, mask=g_mask)
+        tl.store(ml + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    acc_ptr, sacc_b, sacc_h, sacc_s,  # [batch, Hq, splits, D] float32
+    ml_ptr, sml_b, sml_h, sml_s,  # [batch, Hq, splits, 2] float32: running max (log2 units) and sum
+    o_ptr, so_b, so_h,  # out [batch, Hq, D]
+    num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Log-sum-exp merge of the splits of one (sequence, query head)."""
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    ml = ml_ptr + pid_b * sml_b + pid_h * sml_h + offs_s * sml_s
+    m = tl.load(ml, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(ml + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # empty splits (max -inf) weigh 0
+    total = tl.sum(l_s * w, axis=0)
+    acc = tl.load(
+        acc_ptr + pid_b * sacc_b + pid_h * sacc_h + offs_s[:, None] * sacc_s + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], axis=0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(o_ptr + pid_b * so_b + pid_h * so_h + offs_d, o.to(o_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Seal: one program = one block and the heads that share its scale (one head unless per tensor).
+# Bit-identical to quant.choose_qparams + quant.quantize: IEEE division (div_rn), half-to-even rounding,
+# scales rounded up and zeros rounded down exactly as quant.encode_scale does.
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round: nearest integer, ties to even (exact for |x| < 2**23)."""
+    f = tl.floor(x)
+    d = x - f
+    half = f * 0.5
+    odd = tl.floor(half) != half
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _next16(b, UP: tl.constexpr):
+    """Bits (int32 holding a sign-extended 16-bit float) of the next float toward +inf (UP) or -inf."""
+    if UP:
+        return tl.where(b >= 0, b + 1, tl.where(b == -32768, 1, b - 1))
+    else:
+        return tl.where(b > 0, b - 1, tl.where(b == 0, -32767, b + 1))
+
+
+@triton.jit
+def _encode(s, SDT: tl.constexpr, UP: tl.constexpr):
+    """float32 -> stored scale (UP: rounded toward +inf) or zero (toward -inf); see quant.encode_scale."""
+    if SDT == 0:
+        return s
+    elif SDT == 3:  # E8M0: ceil(log2(s)) + 127, from the bits of s clamped to [2**-126, 2**127]
+        c = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), 1.7014118346046923e38)
+        bits = c.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + 1 - ((bits & 0x7FFFFF) == 0).to(tl.int32)
+        return tl.minimum(tl.maximum(e, 0), 254).to(tl.uint8)
+    else:
+        if SDT == 1:
+            if UP:
+                s = tl.maximum(s, 6.103515625e-05)  # positive scales never round below the smallest normal
+            o = s.to(tl.float16)
+        else:
+            if UP:
+                s = tl.maximum(s, 1.1754943508222875e-38)
+            o = s.to(tl.bfloat16)
+        # Round to nearest, then step once if that went the wrong way: exact directed rounding.
+        if UP:
+            off = o.to(tl.float32) < s
+        else:
+            off = o.to(tl.float32) > s
+        b = o.to(tl.int16, bitcast=True).to(tl.int32)
+        b = tl.where(off, _next16(b, UP), b).to(tl.int16)
+        if SDT == 1:
+            return b.to(tl.float16, bitcast=True)
+        else:
+            return b.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _reduce(x, IS_MAX: tl.constexpr, SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CS: tl.constexpr,
+            CGROUP: tl.constexpr):  # fmt: skip
+    """Max or min of a ``[BLOCK_SIZE, D]`` tile over the axes one scale spans: scalar, ``[CS]``,
+    ``[BLOCK_SIZE]`` or ``[BLOCK_SIZE, CS]``."""
+    if SCALE == 1:
+        if IS_MAX:
+            r = tl.max(tl.max(x, axis=1), axis=0)
+        else:
+            r = tl.min(tl.min(x, axis=1), axis=0)
+    elif SCALE == 3:
+        if IS_MAX:
+            r = tl.max(x, axis=1)
+        else:
+            r = tl.min(x, axis=1)
+    else:
+        x3 = tl.reshape(x, [BLOCK_SIZE, CS, CGROUP])
+        if IS_MAX:
+            r = tl.max(x3, axis=2)
+        else:
+            r = tl.min(x3, axis=2)
+        if SCALE == 2:
+            if IS_MAX:
+                r = tl.max(r, axis=0)
+            else:
+                r = tl.min(r, axis=0)
+    return r
+
+
+@triton.jit
+def _expand(r, SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr,
+            CGROUP: tl.constexpr):  # fmt: skip
+    """The inverse of ``_reduce``'s shape: something that broadcasts against ``[BLOCK_SIZE, HEAD_DIM]``."""
+    if SCALE == 1:
+        return r
+    elif SCALE == 2:
+        return tl.reshape(tl.broadcast_to(r[:, None], [CS, CGROUP]), [HEAD_DIM])[None, :]
+    elif SCALE == 3:
+        return r[:, None]
+    else:
+        return tl.reshape(tl.broadcast_to(r[:, :, None], [BLOCK_SIZE, CS, CGROUP]), [BLOCK_SIZE, HEAD_DIM])
+
+
+@triton.jit
+def _store_params(ptr, v, offs_t, st, sc, SCALE: tl.constexpr, CS: tl.constexpr):
+    """Store reduced parameters ``v`` at ``ptr`` (this block and head) in the ``[Ts, Cs]`` layout."""
+    offs_c = tl.arange(0, CS)
+    if SCALE == 1:
+        tl.store(ptr, v)
+    elif SCALE == 2:
+        tl.store(ptr + offs_c * sc, v)
+    elif SCALE == 3:
+        tl.store(ptr + offs_t * st, v)
+    else:
+        tl.store(ptr + offs_t[:, None] * st + offs_c[None, :] * sc, v)
+
+
+@triton.jit
+def seal_kernel(
+    x_ptr, sx_n, sx_h, sx_t,  # x [n, H, B, D] float, last stride 1
+    ids_ptr,  # [n] block ids to write
+    d_ptr, sd_n, sd_h, sd_t,  # payload pool [num_blocks, H, B, P]
+    s_ptr, ss_n, ss_h, ss_t, ss_c,  # scale pool [num_blocks, Hs, Ts, Cs]
+    z_ptr, sz_n, sz_h, sz_t, sz_c,  # zero pool (asymmetric int only)
+    HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr, CS: tl.constexpr,
+    CGROUP: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    TOP: tl.constexpr, PAYLOAD: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    blk = tl.load(ids_ptr + pid_n).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    h0 = pid_h * HEADS
+    x_rows = x_ptr + pid_n.to(tl.int64) * sx_n + offs_t[:, None] * sx_t + offs_d[None, :]
+
+    # ---- pass 1: the ranges every scale covers (over all HEADS heads of this program)
+    x = tl.load(x_rows + h0 * sx_h).to(tl.float32)
+    if KIND == 2:
+        hi = _reduce(x, True, SCALE, BLOCK_SIZE, CS, CGROUP)
+        lo = _reduce(x, False, SCALE, BLOCK_SIZE, CS, CGROUP)
+    else:
+        hi = _reduce(tl.abs(x), True, SCALE, BLOCK_SIZE, CS, CGROUP)
+        lo = hi
+    for h in range(1, HEADS):
+        x = tl.load(x_rows + (h0 + h) * sx_h).to(tl.float32)
+        if KIND == 2:
+            hi = tl.maximum(hi, _reduce(x, True, SCALE, BLOCK_SIZE, CS, CGROUP))
+            lo = tl.minimum(lo, _reduce(x, False, SCALE, BLOCK_SIZE, CS, CGROUP))
+        else:
+            hi = tl.maximum(hi, _reduce(tl.abs(x), True, SCALE, BLOCK_SIZE, CS, CGROUP))
+
+    # ---- scales (and zeros), stored once, then decoded so the payload uses exactly what is stored
+    if KIND == 2:
+        z_st = _encode(lo, ZDT, False)
+        z = z_st.to(tl.float32)
+        s = tl.div_rn(hi - z, tl.full(hi.shape, QMAX, tl.float32))
+        _store_params(z_ptr + blk * sz_n + pid_h * sz_h, z_st, offs_t, sz_t, sz_c, SCALE, CS)
+    else:
+        z = hi
+        s = tl.div_rn(hi, tl.full(hi.shape, TOP, tl.float32))
+    s = tl.where(s > 0, s, 1.0)
+    s_st = _encode(s, SDT, True)
+    _store_params(s_ptr + blk * ss_n + pid_h * ss_h, s_st, offs_t, ss_t, ss_c, SCALE, CS)
+    s = _decode_scale(s_st, SDT == 3)
+    s_full = tl.broadcast_to(_expand(s, SCALE, BLOCK_SIZE, HEAD_DIM, CS, CGROUP), [BLOCK_SIZE, HEAD_DIM])
+    z_full = tl.broadcast_to(_expand(z, SCALE, BLOCK_SIZE, HEAD_DIM, CS, CGROUP), [BLOCK_SIZE, HEAD_DIM])
+
+    # ---- pass 2: quantize, pack, scatter
+    DP: tl.constexpr = HEAD_DIM // PER
+    offs_p = tl.arange(0, DP)
+    for h in range(0, HEADS):
+        x = tl.load(x_rows + (h0 + h) * sx_h).to(tl.float32)
+        out = d_ptr + blk * sd_n + (h0 + h) * sd_h + offs_t[:, None] * sd_t + offs_p[None, :]
+        if KIND == 3:
+            v = tl.div_rn(x, s_full)
+            tl.store(out, tl.minimum(tl.maximum(v, -TOP), TOP).to(PAYLOAD))
+        else:
+            if KIND == 2:
+                x = x - z_full
+            qf = _round_half_even(tl.div_rn(x, s_full))
+            qf = tl.minimum(tl.maximum(qf, QMIN), QMAX)
+            if BITS == 8:
+                tl.store(out, qf.to(tl.int32).to(PAYLOAD))
+            else:
+                if KIND == 1:
+                    qf = qf + (1 << (BITS - 1))  # offset binary
+                u = tl.reshape(qf.to(tl.int32), [BLOCK_SIZE, DP, PER])
+                shifts = tl.arange(0, PER) * BITS
+                tl.store(out, tl.sum(u << shifts[None, None, :], axis=2).to(tl.uint8))
+
+
+@triton.jit
+def bf16_dot_probe(a_ptr, b_ptr, o_ptr):
+    """``o = a @ b`` for 16 x 16 bfloat16 ``a``, ``b``: lets the launcher check the interpreter's bf16 dot."""
+    r = tl.arange(0, 16)
+    a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
+    b = tl.load(b_ptr + r[:, None] * 16 + r[None, :])
+    tl.store(o_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b))
