@@ -1,0 +1,116 @@
+"""The packed pools of every layer: payload and scales in separate contiguous arrays, indexed by block id.
+
+Each pool carries the layer axis first, so ``k_data[layer]`` is the contiguous ``[num_blocks, H, B, Pk]``
+array a kernel reads (see :class:`kvpack.kernels.views.PagedKV`), and whole-sequence moves (offload,
+restore, crop) touch all layers in one indexing operation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpack.formats import KVFormat, QuantSpec
+from kvpack.quant import QuantizedTensor, dequantize, payload_torch_dtype, scale_torch_dtype
+
+__all__ = ["POOL_NAMES", "BlockStorage"]
+
+POOL_NAMES = ("k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero")
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _words(t: torch.Tensor, lead: int = 1) -> torch.Tensor:
+    """A contiguous tensor's rows as machine words: ``[*lead dims, row bytes / w]``, ``w`` the widest integer
+    width (8, 4, 2, 1 bytes) dividing the row. Indexed copies move whole words then: torch's CPU
+    ``index_copy_`` goes element by element, so int8 payload rows copy 8x faster as int64 (and fp8, which has
+    no CPU ``index_copy_`` at all, copies as bytes)."""
+    row = t.reshape(*t.shape[:lead], math.prod(t.shape[lead:])).view(torch.uint8)
+    for width, dtype in _WORDS:
+        if row.shape[-1] % width == 0 and (row.storage_offset() % width == 0):
+            return row.view(dtype)
+    return row
+
+
+def _pools(spec: QuantSpec, lead: tuple[int, int], h: int, b: int, d: int, device: torch.device):
+    data = torch.zeros(*lead, h, b, spec.packed_head_dim(d), dtype=payload_torch_dtype(spec), device=device)
+    shape = spec.scale_shape(h, b, d)
+    if shape is None:
+        return data, None, None
+    scale = torch.zeros(*lead, *shape, dtype=scale_torch_dtype(spec.scale_dtype), device=device)
+    zero = None
+    if spec.has_zero:
+        zero = torch.zeros(*lead, *shape, dtype=scale_torch_dtype(spec.zero_dtype), device=device)
+    return data, scale, zero
+
+
+class BlockStorage:
+    """Payload, scale and zero-point pools of all layers.
+
+    Attributes (``L`` layers, ``N`` blocks, ``H`` kv_heads, ``B`` block_size, ``[Hs, Ts, Cs]`` a spec's
+    per-block scale shape):
+        k_data: ``[L, N, H, B, Pk]``, dtype ``quant.payload_torch_dtype(format.key)``.
+        k_scale: ``[L, N, Hs, Ts, Cs]``, dtype of the key scale storage; ``None`` for passthrough keys.
+        k_zero: like ``k_scale``, dtype of ``format.key.zero_dtype``; ``None`` unless asymmetric.
+        v_data, v_scale, v_zero: the same for values.
+    """
+
+    def __init__(
+        self, fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, device: torch.device
+    ) -> None:
+        self.format = fmt
+        self.head_dim = head_dim
+        lead = (num_layers, num_blocks)
+        b = fmt.block_size
+        self.k_data, self.k_scale, self.k_zero = _pools(fmt.key, lead, kv_heads, b, head_dim, device)
+        self.v_data, self.v_scale, self.v_zero = _pools(fmt.value, lead, kv_heads, b, head_dim, device)
+
+    def pools(self) -> dict[str, torch.Tensor]:
+        """The existing pools by name (absent scales and zero-points left out)."""
+        return {n: getattr(self, n) for n in POOL_NAMES if getattr(self, n) is not None}
+
+    def block_nbytes(self) -> tuple[int, int]:
+        """``(payload, scale + zero)`` bytes of one block in one layer, as allocated."""
+        payload = scale = 0
+        for name, t in self.pools().items():
+            n = t[0, 0].numel() * t.element_size()
+            if name.endswith("data"):
+                payload += n
+            else:
+                scale += n
+        return payload, scale
+
+    def write(self, layer: int, ids: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor) -> None:
+        """Scatter freshly sealed blocks into one layer's pools.
+
+        Args:
+            layer: the layer.
+            ids: ``[n]`` int64 block ids (distinct, not 0).
+            k, v: quantized ``[n, H, B, D]`` blocks from :func:`kvpack.quant.quantize`.
+        """
+        for prefix, qt in (("k", k), ("v", v)):
+            for part, src in (("data", qt.data), ("scale", qt.scale), ("zero", qt.zero)):
+                if src is not None:
+                    dst = getattr(self, f"{prefix}_{part}")[layer]
+                    _words(dst).index_copy_(0, ids, _words(src.contiguous()))
+
+    def gather(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of blocks ``ids`` (``[n]`` int64) in every layer: name -> ``[L, n, ...]``."""
+        return {
+            name: _words(t, 2).index_select(1, ids).view(t.dtype).view(t.shape[0], len(ids), *t.shape[2:])
+            for name, t in self.pools().items()
+        }
+
+    def scatter(self, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`gather`: write ``[L, n, ...]`` parts into blocks ``ids`` of every layer."""
+        for name, t in self.pools().items():
+            _words(t, 2).index_copy_(1, ids, _words(parts[name].to(t.device).contiguous(), 2))
+
+    def dequantize_block(self, block: int, layers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one block in some layers, dequantized: two ``[n_layers, H, B, D]`` float32."""
+        out = []
+        for prefix, spec in (("k", self.format.key), ("v", self.format.value)):
+            parts = [getattr(self, f"{prefix}_{n}") for n in ("data", "scale", "zero")]
+            data, scale, zero = (None if p is None else p[layers, block] for p in parts)
+            out.append(dequantize(QuantizedTensor(data, scale, zero, spec, self.head_dim)))
+        return out[0], out[1]

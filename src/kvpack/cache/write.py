@@ -1,0 +1,263 @@
+"""The write path of :class:`~kvpack.cache.PagedKVCache`: append, seal, scatter.
+
+Plain tensor code over the whole batch: index arrays are built with numpy (one entry per written token or
+sealed block, never a Python loop over tokens or elements), tensors move with one gather / scatter per
+kind, and every block sealed by the call is quantized in one :func:`kvpack.quant.quantize` call for keys
+and one for values. All checks and the quantization run before the first write, so an error leaves the
+cache as it was.
+
+Positions of one row, relative to its tail: the tail holds ``r = n % B`` tokens, the new token ``t`` lands
+at ``p = r + t``; the row seals ``s = (r + T) // B`` blocks. Block 0 of the append is the old tail plus the
+first ``B - r`` new tokens; blocks ``1..s-1`` are new tokens only; tokens with ``p >= s * B`` form the new
+tail at slot ``p - s * B``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
+from kvpack.quant import QuantizedTensor, quantize
+
+if TYPE_CHECKING:
+    from kvpack.cache.paged import PagedKVCache, _Rows
+
+__all__ = ["append"]
+
+
+def _check_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+    expected = f"[batch={batch}, kv_heads={cache.kv_heads}, T>=1, head_dim={cache.head_dim}]"
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"{name} must be a torch.Tensor {expected}, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != cache.kv_heads or x.shape[3] != cache.head_dim:
+            raise ShapeError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
+        if x.shape[2] < 1:
+            raise ShapeError(f"{name} holds no token (T = 0); expected {expected}")
+        if not x.is_floating_point():
+            raise ShapeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16), got {x.dtype}")
+        if x.device != cache.device:
+            raise ShapeError(f"{name} is on {x.device} but the cache lives on {cache.device}; move it there first")
+    if k.shape != v.shape:
+        raise ShapeError(f"k and v must have the same shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _check_step(cache: PagedKVCache, layer: int, rows: _Rows, n_old: np.ndarray, t: int) -> None:
+    """Layer 0 starts a step with every layer in step; the others follow up to layer 0's length."""
+    if cache.num_layers == 1:
+        return
+    lens = cache._lens_np
+    if layer == 0:
+        bad = lens[1:, rows.slots] != n_old
+        if bad.any():
+            li, i = (int(x[0]) for x in np.nonzero(bad))
+            raise SequenceError(
+                f"layer 0 of sequence {rows.seqs[i].sid} starts a new step at {int(n_old[i])} tokens but layer "
+                f"{li + 1} holds {int(lens[li + 1, rows.slots[i]])}; append every layer of the previous step "
+                "first (layer 0 leads each step, the other layers follow with the same tokens)"
+            )
+    else:
+        lead = lens[0, rows.slots]
+        over = n_old + t > lead
+        if over.any():
+            i = int(np.nonzero(over)[0][0])
+            raise SequenceError(
+                f"layer {layer} of sequence {rows.seqs[i].sid} would hold {int(n_old[i]) + t} tokens, past layer "
+                f"0's {int(lead[i])}; each step appends to layer 0 first, then the other layers catch up to it"
+            )
+
+
+def _window_releases(cache: PagedKVCache, rows: _Rows, n_old: np.ndarray) -> list[tuple[int, int]]:
+    """``(row, new released count)`` for rows with blocks that left every layer's window.
+
+    Block ``j`` is released once ``(j + 1) * B <= n_old - W + 1``: no query of this step (the earliest
+    is at ``n_old``) or later attends it.
+    """
+    cut = np.maximum(n_old - cache.release_window + 1, 0) // cache.block_size
+    return [(int(i), int(cut[i])) for i in np.nonzero(cut > [s.released for s in rows.seqs])[0]]
+
+
+def _pairs(sealing: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(row, j)`` of every block sealed: each sealing row's block 0 first, then the blocks ``j >= 1``."""
+    more = s[sealing] - 1
+    extra_rows = np.repeat(sealing, more)
+    extra_j = np.arange(int(more.sum())) - np.repeat(np.cumsum(more) - more, more) + 1
+    return np.concatenate([sealing, extra_rows]), np.concatenate([np.zeros(len(sealing), np.int64), extra_j])
+
+
+def _gather_blocks(
+    tail: torch.Tensor, x: torch.Tensor, slots: np.ndarray, r: np.ndarray, sealing: np.ndarray, pair_row, pair_j
+) -> torch.Tensor:
+    """The ``[n, H, B, D]`` blocks to seal, in pair order, from a layer's tail ``[S, H, B, D]`` and the
+    appended tokens ``x`` ``[batch, H, T, D]`` (already in the tail dtype)."""
+    dev = x.device
+    b = tail.shape[2]
+    rs = r[sealing]
+    sl = slots[sealing]
+    if (np.diff(sl) == 1).all():  # consecutive slots (a batch in step): a plain slice copy
+        first = tail[int(sl[0]) : int(sl[-1]) + 1].clone()  # [ns, H, B, D]
+    else:
+        first = tail.index_select(0, torch.from_numpy(sl).to(dev))
+    cnt = b - rs  # new tokens completing each old tail
+    a = np.repeat(np.arange(len(sealing)), cnt)
+    t = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    ta, tt = torch.from_numpy(a).to(dev), torch.from_numpy(t).to(dev)
+    first[ta, :, torch.from_numpy(rs[a] + t).to(dev)] = x[torch.from_numpy(sealing[a]).to(dev), :, tt]
+    n0 = len(sealing)
+    if len(pair_row) == n0:
+        return first
+    er = pair_row[n0:]
+    tok = (pair_j[n0:] * b - r[er])[:, None] + np.arange(b)  # [M, B] token index inside the append
+    rest = x[torch.from_numpy(er).to(dev)[:, None], :, torch.from_numpy(tok).to(dev)]  # [M, B, H, D]
+    return torch.cat([first, rest.transpose(1, 2)])
+
+
+def _seal_reasons(cache: PagedKVCache, blocks: torch.Tensor, spec) -> list[str]:
+    """Why the Triton seal cannot quantize these blocks (cached per spec, dtype and device)."""
+    key = (spec, blocks.dtype, blocks.device)
+    reasons = cache._seal_reasons.get(key)
+    if reasons is None:
+        try:
+            from kvpack.kernels import triton_seal
+
+            reasons = list(triton_seal.reasons_unsupported(blocks, spec))
+        except ImportError as e:
+            reasons = [f"the Triton seal is not installed ({e}); pip install 'kvpack[triton]'"]
+        cache._seal_reasons[key] = reasons
+    return reasons
+
+
+def seal(cache: PagedKVCache, blocks: torch.Tensor, spec) -> QuantizedTensor:
+    """Quantize ``[n, H, B, D]`` full blocks with the cache's seal backend (the same bytes either way)."""
+    backend = cache.seal_backend
+    if spec.is_passthrough or backend == "torch" or (backend == "auto" and not blocks.is_cuda):
+        return quantize(blocks, spec)
+    reasons = _seal_reasons(cache, blocks, spec)
+    if not reasons:
+        from kvpack.kernels.triton_seal import seal_blocks
+
+        return seal_blocks(blocks, spec)
+    if backend == "triton":
+        raise UnsupportedError(
+            f"seal_backend='triton' cannot seal {spec}: " + "; ".join(reasons) + "; use seal_backend='auto'", reasons
+        )
+    return quantize(blocks, spec)
+
+
+def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b) -> QuantizedTensor:
+    try:
+        return seal(cache, blocks, spec)
+    except NonFiniteError as e:
+        where = []
+        for w in e.where:
+            i = w["index"][0]
+            row = int(pair_row[i])
+            pos = (int(n_old[row]) // b + int(pair_j[i])) * b + w["position"]
+            where.append({"layer": layer, "sequence": rows.seqs[row].sid, "head": w["head"], "position": pos})
+        first = where[0]
+        raise NonFiniteError(
+            f"non-finite {what} at layer {layer}, sequence {first['sequence']}, head {first['head']}, position "
+            f"{first['position']} while sealing; nothing was written (the block stays unsealed). The model produced "
+            "NaN/inf; check the inputs, or use bfloat16/float32 activations if fp16 overflowed",
+            where,
+        ) from None
+
+
+def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
+    """See :meth:`PagedKVCache.append`."""
+    layer = cache._check_layer(layer)
+    rows = cache._rows(seq_ids)
+    _check_kv(cache, k, v, len(rows.seqs))
+    t_new = k.shape[2]
+    b = cache.block_size
+    slots = rows.slots
+    n_old = cache._lens_np[layer, slots].astype(np.int64)
+    _check_step(cache, layer, rows, n_old, t_new)
+    kc = k if k.dtype == cache.tail_dtype else k.to(cache.tail_dtype)
+    vc = v if v.dtype == cache.tail_dtype else v.to(cache.tail_dtype)
+    r = n_old % b
+    s = (r + t_new) // b
+    sealing = np.nonzero(s)[0]
+    releases = _window_releases(cache, rows, n_old) if layer == 0 and cache.release_window is not None else []
+    pool = cache.pool
+
+    # -- plan and quantize: nothing is written before this block completes --------------------------
+    if sealing.size:
+        pair_row, pair_j = _pairs(sealing, s)
+        logical = n_old[pair_row] // b + pair_j
+        fresh = sum(int(lb) >= len(rows.seqs[i].blocks) for i, lb in zip(pair_row, logical))
+        if fresh:
+            dropped = Counter(blk for i, cut in releases for blk in rows.seqs[i].blocks[rows.seqs[i].released : cut])
+            returning = sum(1 for blk, c in dropped.items() if blk and pool.ref_count(blk) == c)
+            if fresh > pool.num_available + returning:
+                raise PoolExhaustedError(
+                    f"appending {t_new} token(s) to {len(slots)} sequence(s) seals {fresh} new block(s) but only "
+                    f"{pool.num_available + returning} of {pool.num_blocks - 1} are available; nothing was changed. "
+                    "Free, crop or offload sequences, or create the cache with more num_blocks"
+                )
+        tail_k, tail_v = cache._tail_k[layer], cache._tail_v[layer]
+        blocks_k = _gather_blocks(tail_k, kc, slots, r, sealing, pair_row, pair_j)
+        blocks_v = _gather_blocks(tail_v, vc, slots, r, sealing, pair_row, pair_j)
+        args = (layer, rows, n_old, pair_row, pair_j, b)
+        kq = _quantize(cache, blocks_k, cache.format.key, "key", *args)
+        vq = _quantize(cache, blocks_v, cache.format.value, "value", *args)
+
+    # -- commit -------------------------------------------------------------------------------------
+    for i, cut in releases:
+        seq = rows.seqs[i]
+        for j in range(seq.released, cut):
+            pool.release(seq.blocks[j])
+            seq.blocks[j] = 0
+        cache._tables_np[seq.slot, seq.released : cut] = 0
+        seq.released = cut
+    if sealing.size:
+        cache._ensure_width(int(logical.max()) + 1)
+        tables = cache._tables_np
+        ids = []
+        for i, lb in zip(pair_row.tolist(), logical.tolist()):
+            seq = rows.seqs[i]
+            if lb == len(seq.blocks):  # the first layer to seal this block allocates it
+                seq.blocks.append(pool.allocate())
+                tables[seq.slot, lb] = seq.blocks[lb]
+            ids.append(seq.blocks[lb])
+        cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq)
+    _write_tails(cache, layer, rows, kc, vc, r, s)
+    cache._lens_np[layer, slots] += t_new
+    for i in sealing.tolist():
+        cache._register(rows.seqs[i])
+
+
+def _write_tails(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, r: np.ndarray, s: np.ndarray) -> None:
+    """Tokens past the sealed blocks go to the tails (slot ``p - s * B``)."""
+    tail_k, tail_v = cache._tail_k[layer], cache._tail_v[layer]
+    dev = kc.device
+    t_new = kc.shape[2]
+    if t_new == 1:  # decode: one token per row, at slot r of every row that did not seal
+        keep = np.nonzero(s == 0)[0]
+        if keep.size == len(r) and rows.start is not None and (r == r[0]).all():
+            # a batch in step (the usual case): one strided copy, no index tensors
+            a, o = rows.start, int(r[0])
+            tail_k[a : a + len(r), :, o : o + 1].copy_(kc)
+            tail_v[a : a + len(r), :, o : o + 1].copy_(vc)
+            return
+        if keep.size == len(r):
+            slot_t, off_t = rows.slots_t, torch.from_numpy(r).to(dev)
+            tail_k[slot_t, :, off_t] = kc[:, :, 0]
+            tail_v[slot_t, :, off_t] = vc[:, :, 0]
+            return
+        ri, ti, off = keep, np.zeros_like(keep), r[keep]
+    else:
+        cut = s * cache.block_size
+        p = r[:, None] + np.arange(t_new)
+        ri, ti = np.nonzero(p >= cut[:, None])
+        off = p[ri, ti] - cut[ri]
+    if ri.size == 0:
+        return
+    ri_t, ti_t = torch.from_numpy(ri).to(dev), torch.from_numpy(ti).to(dev)
+    slot_t, off_t = torch.from_numpy(rows.slots[ri]).to(dev), torch.from_numpy(off).to(dev)
+    tail_k[slot_t, :, off_t] = kc[ri_t, :, ti_t]
+    tail_v[slot_t, :, off_t] = vc[ri_t, :, ti_t]
