@@ -173,12 +173,10 @@ def _reduce(x: torch.Tensor, shape: tuple[int, int, int], op: str) -> torch.Tens
     return getattr(_grouped(x, shape), op)(dim=(-1, -3, -5))
 
 
-def _expand(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Broadcast ``[..., Hs, Ts, Cs]`` scales to ``like``'s ``[..., H, T, D]``."""
+def _bcast(s: torch.Tensor) -> torch.Tensor:
+    """View ``[..., Hs, Ts, Cs]`` scales as ``[..., Hs, 1, Ts, 1, Cs, 1]`` to broadcast over :func:`_grouped`."""
     *lead, hs, ts, cs = s.shape
-    h, t, d = like.shape[-3:]
-    e = s.reshape(*lead, hs, 1, ts, 1, cs, 1).expand(*lead, hs, h // hs, ts, t // ts, cs, d // cs)
-    return e.reshape(*lead, h, t, d)
+    return s.reshape(*lead, hs, 1, ts, 1, cs, 1)
 
 
 def find_non_finite(x: torch.Tensor) -> list[dict[str, int]]:
@@ -279,21 +277,23 @@ def quantize(
         scale, zero = choose_qparams(x, spec)
     elif not torch.isfinite(x).all():
         _raise_non_finite(x)
-    s = _expand(decode_scale(scale, spec.scale_dtype), x)
-    xf = x.float()
+    shape = tuple(scale.shape[-3:])
+    xf = _grouped(x.float(), shape)  # a view: scales broadcast without being expanded in memory
+    s = _bcast(decode_scale(scale, spec.scale_dtype))
     if spec.dtype.is_fp8:
-        data = saturating_cast(xf / s, spec.dtype)
+        data = saturating_cast(xf / s, spec.dtype).reshape(x.shape)
         return QuantizedTensor(data.contiguous(), scale, None, spec, d)
     if spec.has_zero:
         if zero is None:
             raise ShapeError("an asymmetric spec needs zero-points with its scales")
-        xf = xf - _expand(decode_scale(zero, spec.zero_dtype), x)
-    q = torch.round(xf / s).clamp(spec.qmin, spec.qmax)
+        xf = xf - _bcast(decode_scale(zero, spec.zero_dtype))
+    q = torch.round(xf / s).clamp_(spec.qmin, spec.qmax).reshape(x.shape)
     if spec.dtype is DType.INT8:
         data = q.to(payload_torch_dtype(spec))
     else:
-        offset = 0 if spec.has_zero else 2 ** (spec.bits - 1)
-        data = pack_bits((q + offset).to(torch.uint8), spec.bits)
+        if not spec.has_zero:
+            q += 2 ** (spec.bits - 1)
+        data = pack_bits(q.to(torch.uint8), spec.bits)
     return QuantizedTensor(data.contiguous(), scale, zero, spec, d)
 
 
@@ -315,10 +315,11 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
         q = qt.data.float()
     else:
         q = codes(qt)
-    x = q * _expand(decode_scale(qt.scale, spec.scale_dtype), q)
+    g = _grouped(q, tuple(qt.scale.shape[-3:]))
+    x = g * _bcast(decode_scale(qt.scale, spec.scale_dtype))
     if spec.has_zero:
-        x = x + _expand(decode_scale(qt.zero, spec.zero_dtype), q)
-    return x.to(dtype)
+        x = x + _bcast(decode_scale(qt.zero, spec.zero_dtype))
+    return x.reshape(q.shape).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
