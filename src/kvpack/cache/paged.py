@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvpack.cache.calibrated import resolve_calibration, scales_digest
 from kvpack.cache.pool import NULL_BLOCK, BlockPool
 from kvpack.cache.prefix import ROOT, block_key, chain_keys
 from kvpack.cache.storage import BlockStorage
+from kvpack.calibration.artifact import Artifact, CalibratedScales
+from kvpack.calibration.static import DEFAULT_CLIP_THRESHOLD, ClipMonitor
 from kvpack.errors import ConfigError, SequenceError, ShapeError
 from kvpack.formats import KVFormat, parse_format
 from kvpack.kernels.views import PagedKV
@@ -79,7 +82,13 @@ class PagedKVCache:
         seal_backend: who quantizes full tails: ``"torch"`` (:func:`kvpack.quant.quantize`), ``"triton"``
             (:mod:`kvpack.kernels.triton_seal`, the same bytes in one kernel launch per spec; raises
             :class:`UnsupportedError` when it cannot), or ``"auto"``: Triton for a CUDA cache when it can,
-            torch otherwise.
+            torch otherwise. Static specs always seal with torch (the Triton seal chooses block-local scales).
+        calibration: the static scales of a format with ``static`` specs:
+            ``load_artifact(dir, model=config).scales_for(fmt)`` (a :class:`~kvpack.calibration.CalibratedScales`)
+            or the :class:`~kvpack.calibration.Artifact` itself. Required for such a format, refused for
+            any other (:class:`CalibrationError`), and checked against ``[num_layers, Hs, 1, Cs]``.
+        clip_threshold: fraction of a layer's sealed values that may clip (fall outside the calibrated range)
+            before ``clip_monitor`` warns (:class:`~kvpack.calibration.CalibrationDriftWarning`).
     """
 
     def __init__(
@@ -95,6 +104,8 @@ class PagedKVCache:
         window: int | Sequence[int | None] | None = None,
         max_seqs: int = 8,
         seal_backend: str = "auto",
+        calibration: CalibratedScales | Artifact | None = None,
+        clip_threshold: float = DEFAULT_CLIP_THRESHOLD,
     ) -> None:
         self.format = parse_format(fmt) if isinstance(fmt, str) else fmt
         if not isinstance(self.format, KVFormat):
@@ -111,11 +122,13 @@ class PagedKVCache:
         if tail_dtype not in _TAIL_DTYPES:
             raise ConfigError(f"tail_dtype must be torch.float32, float16 or bfloat16, got {tail_dtype}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.clip_monitor = ClipMonitor(num_layers, clip_threshold)  # counts of static sealing (drift detector)
         self.block_size = self.format.block_size
         self.tail_dtype = tail_dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.calibration = resolve_calibration(self.format, calibration, num_layers, kv_heads, head_dim, self.device)
         self.windows = self._parse_window(window, num_layers)
         # a block leaves every layer's window only if every layer has one
         self.release_window = None if None in self.windows else max(self.windows)
@@ -123,6 +136,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.storage = BlockStorage(self.format, num_layers, kv_heads, head_dim, num_blocks, self.device)
         self.salt = f"{self.format.spec_string()}|kv_heads={kv_heads}|head_dim={head_dim}"
+        if self.calibration is not None:  # blocks sealed with other scales hold other bytes: never share them
+            self.salt += f"|scales={scales_digest(self.calibration)}"
         b = self.block_size
         self._tail_k = torch.zeros(num_layers, max_seqs, kv_heads, b, head_dim, dtype=tail_dtype, device=self.device)
         self._tail_v = torch.zeros_like(self._tail_k)

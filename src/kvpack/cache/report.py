@@ -64,7 +64,12 @@ class LayerMemory:
 
 @dataclass
 class MemoryReport:
-    """Per-layer and total memory of a cache, plus pool occupancy."""
+    """Per-layer and total memory of a cache, plus pool occupancy.
+
+    ``clipped`` is the health of static (calibrated) sealing, ``cache.clip_monitor.report()``:
+    ``{"clipped": [per layer], "sealed": [per layer], "fraction": [per layer], "threshold": t,
+    "layers_over_threshold": [...]}``; ``None`` when the format has no ``static`` spec.
+    """
 
     format: str
     layers: list[LayerMemory]
@@ -76,6 +81,7 @@ class MemoryReport:
     host_blocks: int
     sequences: int
     notes: list[str] = field(default_factory=list)
+    clipped: dict | None = None
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("layers", "total")}
@@ -96,6 +102,12 @@ class MemoryReport:
             f"allocated {t.allocated_bytes * mib:.2f} MiB (cached {t.cached_bytes * mib:.2f}, unused {t.unused_bytes * mib:.2f});"
             f" host {t.host_bytes * mib:.2f} MiB",
         ]
+        if self.clipped is not None:
+            c = self.clipped
+            lines.append(
+                f"static scales: {sum(c['clipped'])} of {sum(c['sealed'])} sealed values clipped; layers over the "
+                f"{c['threshold']:.2%} threshold: {c['layers_over_threshold'] or 'none'}"
+            )
         return "\n".join(lines + self.notes)
 
 
@@ -152,6 +164,7 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
         host_blocks=host_blocks,
         sequences=nseq,
         notes=notes,
+        clipped=None if cache.calibration is None else cache.clip_monitor.report(),
     )
 
 

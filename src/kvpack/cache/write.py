@@ -3,8 +3,9 @@
 Plain tensor code over the whole batch: index arrays are built with numpy (one entry per written token or
 sealed block, never a Python loop over tokens or elements), tensors move with one gather / scatter per
 kind, and every block sealed by the call is quantized in one :func:`kvpack.quant.quantize` call for keys
-and one for values. All checks and the quantization run before the first write, so an error leaves the
-cache as it was.
+and one for values (:func:`kvpack.calibration.seal_with_static` for a ``static`` spec, whose clipped
+count goes to ``cache.clip_monitor`` after the commit). All checks and the quantization run before the
+first write, so an error leaves the cache as it was.
 
 Positions of one row, relative to its tail: the tail holds ``r = n % B`` tokens, the new token ``t`` lands
 at ``p = r + t``; the row seals ``s = (r + T) // B`` blocks. Block 0 of the append is the old tail plus the
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
 from kvpack.quant import QuantizedTensor, quantize
 
@@ -131,26 +133,36 @@ def _seal_reasons(cache: PagedKVCache, blocks: torch.Tensor, spec) -> list[str]:
     return reasons
 
 
-def seal(cache: PagedKVCache, blocks: torch.Tensor, spec) -> QuantizedTensor:
-    """Quantize ``[n, H, B, D]`` full blocks with the cache's seal backend (the same bytes either way)."""
+def seal(
+    cache: PagedKVCache, blocks: torch.Tensor, spec, scales: LayerScales | None = None
+) -> tuple[QuantizedTensor, int]:
+    """Quantize ``[n, H, B, D]`` full blocks with the cache's seal backend (the same bytes either way).
+
+    A ``static`` spec is sealed with ``scales`` (one layer's calibrated scales) by
+    :func:`~kvpack.calibration.seal_with_static`, always in torch (the Triton seal chooses block-local
+    scales). Returns ``(qt, clipped)``: ``clipped`` counts values outside the calibrated range (0 otherwise).
+    """
+    if spec.static:
+        return seal_with_static(blocks, spec, scales)
     backend = cache.seal_backend
     if spec.is_passthrough or backend == "torch" or (backend == "auto" and not blocks.is_cuda):
-        return quantize(blocks, spec)
+        return quantize(blocks, spec), 0
     reasons = _seal_reasons(cache, blocks, spec)
     if not reasons:
         from kvpack.kernels.triton_seal import seal_blocks
 
-        return seal_blocks(blocks, spec)
+        return seal_blocks(blocks, spec), 0
     if backend == "triton":
         raise UnsupportedError(
             f"seal_backend='triton' cannot seal {spec}: " + "; ".join(reasons) + "; use seal_backend='auto'", reasons
         )
-    return quantize(blocks, spec)
+    return quantize(blocks, spec), 0
 
 
-def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b) -> QuantizedTensor:
+def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b) -> tuple[QuantizedTensor, int]:
+    scales = getattr(cache.calibration, what).layer(layer) if spec.static else None
     try:
-        return seal(cache, blocks, spec)
+        return seal(cache, blocks, spec, scales)
     except NonFiniteError as e:
         where = []
         for w in e.where:
@@ -203,8 +215,8 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
         blocks_k = _gather_blocks(tail_k, kc, slots, r, sealing, pair_row, pair_j)
         blocks_v = _gather_blocks(tail_v, vc, slots, r, sealing, pair_row, pair_j)
         args = (layer, rows, n_old, pair_row, pair_j, b)
-        kq = _quantize(cache, blocks_k, cache.format.key, "key", *args)
-        vq = _quantize(cache, blocks_v, cache.format.value, "value", *args)
+        kq, clipped_k = _quantize(cache, blocks_k, cache.format.key, "key", *args)
+        vq, clipped_v = _quantize(cache, blocks_v, cache.format.value, "value", *args)
 
     # -- commit -------------------------------------------------------------------------------------
     for i, cut in releases:
@@ -229,6 +241,10 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
     cache._lens_np[layer, slots] += t_new
     for i in sealing.tolist():
         cache._register(rows.seqs[i])
+    if sealing.size and cache.calibration is not None:  # last: the append is complete even if the warning raises
+        fmt = cache.format
+        sealed = blocks_k.numel() * fmt.key.static + blocks_v.numel() * fmt.value.static
+        cache.clip_monitor.record(layer, clipped_k + clipped_v, sealed)
 
 
 def _write_tails(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, r: np.ndarray, s: np.ndarray) -> None:

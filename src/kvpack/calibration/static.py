@@ -262,7 +262,13 @@ class ClipMonitor:
 
 
 def require_static_scales(fmt: KVFormat, scales: object | None) -> None:
-    """Fail closed: a format with ``static`` specs and no scales is refused, before anything is built."""
+    """Fail closed, before anything is built: a format with ``static`` specs and no scales is refused, and so
+    are scales given for a format without ``static`` specs (they would be ignored)."""
+    if not fmt.is_static and scales is not None:
+        raise CalibrationError(
+            f"format {fmt.name!r} takes no static scales (no spec is marked 'static'), so the calibration given "
+            "would be ignored; drop it, or mark the key spec static, e.g. 'k=int8:channel:static,v=int8:token'"
+        )
     if fmt.is_static and scales is None:
         roles = [r for r, s in (("keys", fmt.key), ("values", fmt.value)) if s.static]
         raise CalibrationError(

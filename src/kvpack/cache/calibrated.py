@@ -1,0 +1,114 @@
+"""Calibrated (static) scales in a :class:`~kvpack.cache.PagedKVCache`: checked once, at construction.
+
+A format with ``static`` specs seals its blocks with the scales of a calibration artifact
+(:func:`kvpack.calibration.seal_with_static`) instead of block-local ones. Everything that could make a seal
+fail later is checked here first (fail closed): a static format without scales, scales for a format that
+takes none, scales made for another spec, or of another shape than ``[num_layers, Hs, 1, Cs]``
+(``[num_layers, kv_heads, 1, head_dim]`` per channel). The digest of the scales salts the prefix keys, so
+blocks sealed with different scales are never shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from kvpack.calibration.artifact import Artifact, CalibratedScales
+from kvpack.calibration.static import StaticScales, require_static_scales, same_quantization
+from kvpack.errors import CalibrationError
+from kvpack.formats import KVFormat, QuantSpec
+from kvpack.quant import decode_scale, scale_torch_dtype
+
+__all__ = ["resolve_calibration", "scales_digest"]
+
+
+def _check_role(
+    role: str, spec: QuantSpec, sc: StaticScales | None, want: tuple[int, ...], device: torch.device
+) -> StaticScales | None:
+    """One role's scales, checked against the cache's spec and geometry and moved to the cache device."""
+    if not spec.static:
+        if sc is not None:
+            raise CalibrationError(
+                f"the calibration carries {role} scales but {role} in this format ({spec}) are not static, so "
+                f"they would be ignored; drop them (Artifact.scales_for(format) leaves them out) or mark {role} static"
+            )
+        return None
+    if sc is None:
+        raise CalibrationError(
+            f"{role} in this format ({spec}) take static scales and the calibration carries none for them; "
+            "use load_artifact(dir).scales_for(format) with an artifact made for this format"
+        )
+    if not same_quantization(spec, sc.spec):
+        raise CalibrationError(
+            f"{role}: the calibration's scales were made for {sc.spec}, the cache stores {spec}; recalibrate for "
+            f"this format (kvpack calibrate --format ...) or use Artifact.rescaled(format)"
+        )
+    tensors = [("scale", sc.scale, scale_torch_dtype(spec.scale_dtype))]
+    if spec.has_zero:
+        if sc.zero is None:
+            raise CalibrationError(f"{role}: {spec} is asymmetric and the calibration carries no zero-points")
+        tensors.append(("zero", sc.zero, scale_torch_dtype(spec.zero_dtype)))
+    for name, t, dtype in tensors:
+        if tuple(t.shape) != want:
+            raise CalibrationError(
+                f"{role} static {name}s have shape {tuple(t.shape)}, this cache needs {want} (num_layers, Hs, 1, Cs "
+                "for the spec's granularity); the artifact was made for another model: recalibrate"
+            )
+        if t.dtype != dtype:
+            raise CalibrationError(f"{role} static {name}s are {t.dtype}, {spec} stores them as {dtype}")
+    s = decode_scale(sc.scale, spec.scale_dtype)
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise CalibrationError(f"{role} static scales hold zero, negative or non-finite values; recalibrate")
+    zero = None if sc.zero is None or not spec.has_zero else sc.zero.to(device)
+    return dataclasses.replace(sc, scale=sc.scale.to(device), zero=zero)
+
+
+def resolve_calibration(
+    fmt: KVFormat,
+    calibration: CalibratedScales | Artifact | None,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+) -> CalibratedScales | None:
+    """The cache's calibrated scales, checked and on ``device``; ``None`` for a format without static specs.
+
+    Args:
+        calibration: ``load_artifact(dir, model=config).scales_for(fmt)`` (a :class:`CalibratedScales`), an
+            :class:`Artifact` (its :meth:`~Artifact.scales_for` is taken here), or ``None``.
+
+    Raises:
+        CalibrationError: a static format without calibration, a calibration for a format without static
+            specs, scales made for another spec, or scales whose shape is not ``[num_layers, Hs, 1, Cs]``.
+    """
+    if isinstance(calibration, Artifact):
+        calibration = calibration.scales_for(fmt)
+    require_static_scales(fmt, calibration)
+    if calibration is None:
+        return None
+    if not isinstance(calibration, CalibratedScales):
+        raise CalibrationError(
+            f"calibration must be a kvpack.calibration.CalibratedScales (load_artifact(dir).scales_for(format)) "
+            f"or an Artifact, got {type(calibration).__name__}"
+        )
+    key, value = (
+        _check_role(role, spec, sc, (num_layers, *spec.scale_shape(kv_heads, 1, head_dim)), device)
+        for role, spec, sc in (("keys", fmt.key, calibration.key), ("values", fmt.value, calibration.value))
+    )
+    return CalibratedScales(fmt, key, value)
+
+
+def scales_digest(calibration: CalibratedScales) -> str:
+    """A hex digest of the scales (spec strings and the stored bytes of every scale and zero-point tensor)."""
+    h = hashlib.blake2b(digest_size=16)
+    for sc in (calibration.key, calibration.value):
+        if sc is None:
+            h.update(b"-")
+            continue
+        h.update(str(sc.spec).encode())
+        for t in (sc.scale, sc.zero):
+            if t is not None:
+                h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
