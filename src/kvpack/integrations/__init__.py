@@ -1,0 +1,2 @@
+"""Integrations with other libraries. Submodules import their library (transformers, ...) on import;
+this package itself imports nothing heavy."""

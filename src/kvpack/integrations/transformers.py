@@ -1,0 +1,466 @@
+"""Hugging Face transformers integration: a ``Cache`` backed by :class:`kvpack.cache.PagedKVCache`.
+
+How it plugs in (transformers 5.x, through its extension points only; no model code is copied):
+
+* :class:`KVPackCache` is a ``transformers.Cache`` with one :class:`KVPackLayer` per decoder layer. All layers
+  store into one :class:`~kvpack.cache.PagedKVCache`; a batch row is one kvpack sequence. ``update()`` appends
+  the new keys and values (after RoPE) and returns a :class:`PackedKV` handle instead of dense tensors.
+* The attention function :func:`kvpack_attention` is registered as ``attn_implementation="kvpack"`` in
+  transformers' ``AttentionInterface``. It receives the handle where other implementations receive dense
+  keys and values, and reads the packed cache: one new token per sequence runs the fused decode kernel
+  (:func:`kvpack.kernels.decode_attention`); several (prefill, a question after a cached document, the
+  candidate tokens of assisted generation) attend to the *quantized* history through the chunk path,
+  which dequantizes sealed blocks on the fly and never keeps a full-precision copy.
+* :func:`kvpack_mask` is registered in ``AttentionMaskInterface`` under the same name. transformers calls it
+  with the 2-D padding mask; it hands the attention function a :class:`PaddingInfo` with each sequence's
+  first real position (left padding), which becomes :attr:`kvpack.kernels.PagedKV.start_pos`.
+
+Only this folder imports transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from kvpack import kernels
+from kvpack.cache import MemoryReport
+from kvpack.errors import ConfigError, PoolExhaustedError, ShapeError, UnsupportedError
+from kvpack.formats import KVFormat, parse_format
+from kvpack.integrations.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    PackedKV,
+    PaddingInfo,
+    chunk_attention,
+    kvpack_attention,
+    kvpack_mask,
+    register,
+)
+from kvpack.kernels.views import PagedKV
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "KVPackCache",
+    "KVPackLayer",
+    "PackedKV",
+    "PaddingInfo",
+    "cache_for",
+    "chunk_attention",
+    "kvpack_attention",
+    "kvpack_mask",
+    "model_geometry",
+    "register",
+]
+
+DEFAULT_MAX_TOKENS = 8192
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+register()  # "kvpack" is a valid attn_implementation as soon as this module is imported
+
+
+def _plain_tensors(method: Callable) -> Callable:
+    """Run a state-changing cache method with autograd off and outside inference mode.
+
+    The paged cache updates its pools in place for its whole life. Tensors created under
+    ``torch.inference_mode()`` cannot be updated in place outside it, and ``generate`` runs under ``no_grad``
+    while users often prefill under ``inference_mode``: so the cache's own tensors are always made, and
+    written, as plain tensors (reading inference tensors there is allowed).
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cache
+
+
+class KVPackLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`KVPackCache` (the storage is shared by all layers)."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, parent: KVPackCache, layer_idx: int, window: int | None) -> None:
+        super().__init__()
+        self.parent = parent
+        self.layer_idx = layer_idx
+        self.window = window
+        self.is_sliding = window is not None
+        self.is_initialized = True
+
+    # Everything stateful is done once for all layers by the parent (sequences span layers).
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.parent.update(key_states, value_states, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.parent.layer_seq_len(self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        return None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        return None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        kind = f"sliding window {self.window}" if self.is_sliding else "full"
+        return f"KVPackLayer({self.layer_idx}, {kind})"
+
+
+def _text_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def model_geometry(config: PreTrainedConfig) -> tuple[int, int, int, list[int | None]]:
+    """``(num_layers, kv_heads, head_dim, windows)`` of a decoder, from its config.
+
+    ``windows[i]`` is layer ``i``'s sliding window, ``None`` for full attention.
+
+    Raises:
+        UnsupportedError: a layer type kvpack cannot store (linear attention, chunked attention, ...).
+    """
+    cfg = _text_config(config)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if not kv_heads or not head_dim:
+        raise ConfigError(f"cannot read kv_heads / head_dim from the {type(cfg).__name__}; is it a decoder config?")
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
+    reasons = [f"layer {i} is {t!r}" for i, t in enumerate(layer_types) if t not in _SUPPORTED_LAYER_TYPES]
+    if reasons:
+        raise UnsupportedError(
+            "kvpack stores full and sliding-window attention layers only: " + "; ".join(reasons[:4]), reasons
+        )
+    windows = [
+        kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)
+    ]
+    return len(layer_types), int(kv_heads), int(head_dim), windows
+
+
+class KVPackCache(Cache):
+    """A transformers ``Cache`` whose layers store into one kvpack :class:`~kvpack.cache.PagedKVCache`.
+
+    Use it with ``attn_implementation="kvpack"`` (see :func:`cache_for`, which also switches the model). The
+    paged storage is created on the first ``update()``, when the batch size (beams included), dtype and device
+    are known; a row of the batch is one kvpack sequence. Beam search reorders rows by reference (sealed
+    blocks are shared, never copied; only tails are); ``crop`` (assisted generation) rolls sequences back.
+
+    Args:
+        config: the model config (layers, kv_heads, head_dim and sliding windows are read from it).
+        format: a preset name (``"int4"``, ``"int8"``, ``"fp16"``, ...) or a custom format string or
+            :class:`~kvpack.formats.KVFormat`.
+        max_tokens: tokens one sequence may reach (prompt plus new tokens); default the model's
+            ``max_position_embeddings`` capped at 8192.
+        batch_size: the least number of sequences to size the pool for; it is sized at the first forward for
+            ``max(batch_size, rows of that batch)`` sequences of ``max_tokens`` (rows count beams).
+        backend: decode kernel backend: ``"auto"`` (fused kernel, else the reference with a one-time warning
+            saying why), ``"cpu"``, ``"triton"`` or ``"reference"``.
+        tail_dtype: dtype of the full-precision tail; default the dtype of the first keys.
+        num_blocks: override the pool size (blocks, the null block included).
+
+    Attributes:
+        fused_decode_calls: decode-attention calls (one per layer per step) that ran a fused kernel.
+        decode_backends: ``Counter`` of backend names used by decode steps.
+        chunk_calls: attention calls over several new tokens (prefill, chunks, verification).
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        format: str | KVFormat = "int4",
+        *,
+        max_tokens: int | None = None,
+        batch_size: int = 1,
+        backend: str = "auto",
+        tail_dtype: torch.dtype | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        self.format = parse_format(format)
+        self.num_layers, self.kv_heads, self.head_dim, self.windows = model_geometry(config)
+        self.format.check(self.head_dim)
+        cfg = _text_config(config)
+        if max_tokens is None:
+            max_tokens = min(
+                int(getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_TOKENS), DEFAULT_MAX_TOKENS
+            )
+        if int(max_tokens) <= 0 or int(batch_size) <= 0:
+            raise ConfigError(f"max_tokens and batch_size must be positive, got {max_tokens} and {batch_size}")
+        if backend != "auto" and backend not in kernels.BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(kernels.BACKENDS)}")
+        self.max_tokens = int(max_tokens)
+        self.min_sequences = int(batch_size)
+        self.backend = backend
+        self.tail_dtype = tail_dtype
+        self.num_blocks = num_blocks
+        self.paged = None  # kvpack.cache.PagedKVCache, created on the first update
+        self.seq_ids: list[int] = []
+        self.fused_decode_calls = 0
+        self.decode_backends: Counter[str] = Counter()
+        self.chunk_calls = 0
+        self.backend_choice: dict[tuple, tuple[str, Callable]] = {}  # (layer, q dtype, device) -> backend
+        self.previous_attn_implementation: str | None = None  # set by cache_for
+        layers = [KVPackLayer(self, i, w) for i, w in enumerate(self.windows)]
+        super().__init__(layers=layers)
+
+    # -- sizing and storage -------------------------------------------------------------------------
+    def blocks_needed(self, sequences: int) -> int:
+        """Pool size for ``sequences`` sequences of ``max_tokens``: their blocks, one spare each, the null block."""
+        per_seq = math.ceil(self.max_tokens / self.format.block_size) + 1
+        return sequences * per_seq + 1
+
+    @_plain_tensors
+    def _create(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+        from kvpack.cache import PagedKVCache
+
+        num_blocks = self.num_blocks or self.blocks_needed(max(self.min_sequences, batch))
+        self.paged = PagedKVCache(
+            self.format,
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            num_blocks,
+            tail_dtype=self.tail_dtype or dtype,
+            device=device,
+            window=self.windows,
+        )
+
+    @_plain_tensors
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[PackedKV, PackedKV]:
+        """Append ``[batch, kv_heads, T, head_dim]`` keys and values to layer ``layer_idx``; return handles."""
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ShapeError(
+                f"keys and values must both be [batch, kv_heads, T, head_dim], got {tuple(key_states.shape)} "
+                f"and {tuple(value_states.shape)}"
+            )
+        batch, heads, t, d = key_states.shape
+        if heads != self.kv_heads or d != self.head_dim:
+            raise ShapeError(
+                f"this cache was built for kv_heads={self.kv_heads}, head_dim={self.head_dim} but layer {layer_idx} "
+                f"sent {heads} heads of {d}; build the cache from this model's config"
+            )
+        if self.paged is None:
+            self._create(batch, key_states.dtype, key_states.device)
+        if not self.seq_ids:
+            self.seq_ids = [self.paged.add_sequence() for _ in range(batch)]
+        elif batch != len(self.seq_ids):
+            raise ShapeError(
+                f"this cache holds {len(self.seq_ids)} sequences but layer {layer_idx} sent a batch of {batch}; "
+                "use one cache per batch (or cache.reset())"
+            )
+        try:
+            self.paged.append(layer_idx, self.seq_ids, key_states, value_states)
+        except PoolExhaustedError as e:
+            raise PoolExhaustedError(
+                f"{e}. The cache was sized for {max(self.min_sequences, batch)} sequences of {self.max_tokens} "
+                "tokens: build a bigger one, e.g. kvpack.hf.cache_for(model, max_tokens=..., batch_size=...) with "
+                "max_tokens >= prompt + new tokens and batch_size >= batch x num_beams"
+            ) from e
+        handle = PackedKV(self, layer_idx, t)
+        return handle, handle
+
+    def layer_seq_len(self, layer_idx: int) -> int:
+        """Tokens held by the layer (pads included), the same for every row of the batch."""
+        if self.paged is None or not self.seq_ids:
+            return 0
+        return int(self.paged.seq_len(self.seq_ids[0], layer=layer_idx))
+
+    def view(self, layer_idx: int, start_pos: torch.Tensor | None = None) -> PagedKV:
+        """The kernel-facing :class:`PagedKV` of one layer for the whole batch."""
+        kv = self.paged.view(layer_idx, self.seq_ids)
+        if start_pos is not None:
+            kv = dataclasses.replace(kv, start_pos=start_pos.to(device=kv.device, dtype=torch.int32))
+        return kv
+
+    # -- transformers' Cache API, done once for all layers ------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layer_seq_len(layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @_plain_tensors
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues row ``beam_idx[i]``. Sealed blocks are shared by reference (never
+        copied); only the one-block tails are copied."""
+        if not self.seq_ids:
+            return
+        self.paged.reorder(self.seq_ids, beam_idx.to("cpu"))
+
+    @_plain_tensors
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices`` (contrastive search)."""
+        if self.seq_ids:
+            self._replace_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    @_plain_tensors
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times, in place (forks: sealed blocks shared)."""
+        if self.seq_ids:
+            self._replace_rows([i for i in range(len(self.seq_ids)) for _ in range(repeats)])
+
+    def _replace_rows(self, order: list[int]) -> None:
+        """New rows: row ``j`` is a fork of old row ``order[j]``; old sequences are freed afterwards."""
+        old = self.seq_ids
+        if any(not 0 <= i < len(old) for i in order):
+            raise ShapeError(f"row indices must be in [0, {len(old)}), got {order}")
+        new: list[int] = []
+        try:
+            for i in order:
+                new.append(self.paged.fork(old[i]))
+        except Exception:
+            for sid in new:  # leave the cache as it was
+                self.paged.free(sid)
+            raise
+        for sid in old:
+            self.paged.free(sid)
+        self.seq_ids = new
+
+    @_plain_tensors
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every sequence (transformers passes a negative count;
+        a positive value is the length to keep, as in transformers' legacy call)."""
+        if not self.seq_ids:
+            return
+        current = self.layer_seq_len(0)
+        keep = current + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, current)
+        if keep < 0:
+            raise ShapeError(f"cannot remove {-tokens_to_remove} tokens from sequences of {current}")
+        if keep == current:
+            return
+        for sid in self.seq_ids:
+            self.paged.crop(sid, keep)
+
+    @_plain_tensors
+    def reset(self) -> None:
+        """Free every sequence (the pool and its blocks stay allocated for the next generation)."""
+        if self.paged is not None:
+            for sid in self.seq_ids:
+                self.paged.free(sid)
+        self.seq_ids = []
+
+    def activate_past_recording(self) -> None:
+        """Nothing to do: kvpack keeps what a crop needs (transformers calls this before assisted decoding)."""
+        return None
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences held (rows of the batch), ``-1`` before the first update."""
+        return len(self.seq_ids) if self.seq_ids else -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    # -- reporting ----------------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport | None:
+        """The paged cache's :class:`~kvpack.cache.MemoryReport`; ``None`` before the first update."""
+        return None if self.paged is None else self.paged.memory_report()
+
+    def bytes_summary(self) -> dict[str, int]:
+        """``used_bytes`` (payload, scales, tails of live sequences), ``allocated_bytes`` (the whole pool),
+        ``fp16_bytes`` (the same live tokens as plain fp16 K/V) and ``live_tokens`` (summed over layers)."""
+        report = self.memory_report()
+        if report is None:
+            return {"used_bytes": 0, "allocated_bytes": 0, "fp16_bytes": 0, "live_tokens": 0}
+        t = report.total
+        return {
+            "used_bytes": t.used_bytes,
+            "allocated_bytes": t.allocated_bytes,
+            "fp16_bytes": 2 * self.kv_heads * self.head_dim * 2 * t.live_tokens,
+            "live_tokens": t.live_tokens,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPackCache(format={self.format.name!r}, layers={self.num_layers}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, sequences={len(self.seq_ids)})"
+        )
+
+
+def cache_for(
+    model: Any,
+    format: str | KVFormat = "int4",
+    max_tokens: int | None = None,
+    batch_size: int = 1,
+    *,
+    backend: str = "auto",
+    num_blocks: int | None = None,
+) -> KVPackCache:
+    """A :class:`KVPackCache` for ``model``, and the model switched to ``attn_implementation="kvpack"``.
+
+    Then ``model.generate(**inputs, cache=cache)``. The switch changes the model object: to go back, call
+    ``model.set_attn_implementation("sdpa")`` (or whatever it used, saved in ``cache.previous_attn_implementation``).
+
+    Args:
+        model: a transformers causal LM (decoder with full and/or sliding-window attention layers).
+        format: a preset (``"int4"``, ``"int8"``, ``"fp8"``, ``"fp16"``, ...) or a custom format string.
+        max_tokens: tokens one sequence may reach (prompt + new tokens); default
+            ``min(max_position_embeddings, 8192)``.
+        batch_size: the least number of sequences to size the pool for (the first forward's rows, beams
+            included, are always covered).
+        backend: decode backend, ``"auto"`` by default (the fused kernel, else the reference with a warning).
+        num_blocks: override the pool size in blocks.
+
+    Raises:
+        UnsupportedError: the model has layers kvpack cannot store (linear or chunked attention).
+        FormatError: the format cannot store this head_dim.
+    """
+    config = model.config
+    previous = getattr(config, "_attn_implementation", None)
+    cache = KVPackCache(
+        config,
+        format,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        backend=backend,
+        tail_dtype=getattr(model, "dtype", None),
+        num_blocks=num_blocks,
+    )
+    if previous != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache.previous_attn_implementation = previous if previous != ATTN_IMPLEMENTATION else "sdpa"
+    return cache
