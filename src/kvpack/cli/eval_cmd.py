@@ -1,0 +1,161 @@
+"""``kvpack eval``: is this format safe for my model at my context length? (needles, KL, attribution, report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvpack.errors import ConfigError
+
+DEFAULT_OUT = "kvpack-report"
+
+
+def _ints(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        mult = 1024 if p.endswith("k") else 1
+        try:
+            out.append(int(float(p[:-1] if mult > 1 else p) * mult))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected token counts like 1024,2k,4k, got {part!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one length")
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected depths like 0.1,0.5,0.9, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one depth")
+    return out
+
+
+def _names(text: str) -> list[str]:
+    # format strings may hold commas (k=...,v=...): split on ';' when present, else on ','
+    sep = ";" if ";" in text else ","
+    return [p.strip() for p in text.split(sep) if p.strip()]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="measure what each cache format does to a model: needles, KL, attribution, report",
+        description=(
+            "Needle-in-a-haystack sweep over context length and depth (the question is a later chunk that reads "
+            "the quantized cache), teacher-forced KL / top-1 / perplexity, keys-vs-values attribution, per-layer "
+            "sensitivity and speculative-decoding acceptance; writes index.html + results.json and prints a "
+            "summary with a verdict per format. Without arguments: the embedded SmolLM2-135M-Instruct and the "
+            "formats fp16 (baseline), fp8, int8, int4, k4v2, kivi2, int4-g32."
+        ),
+    )
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
+    p.add_argument("--formats", type=_names, default=None, help="comma-separated formats (';' if they hold commas)")
+    p.add_argument("--lengths", type=_ints, default=None, help="needle context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--depths", type=_floats, default=None, help="needle depths in [0,1], e.g. 0.1,0.5,0.9")
+    p.add_argument(
+        "--kinds",
+        type=_names,
+        default=None,
+        help="needle kinds: number,identifier,sentence,two-hop (default) and two-hop-strict",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT}/)")
+    p.add_argument("--json", action="store_true", help="print results as JSON on stdout instead of the table")
+    p.add_argument("--seed", type=int, default=0, help="seed of haystacks and needles (default 0)")
+    p.add_argument("--quick", action="store_true", help="a reduced sweep (a few minutes)")
+    p.add_argument("--fidelity-tokens", type=int, default=None, help="teacher-forced text length (0 skips)")
+    p.add_argument("--speculative-tokens", type=int, default=None, help="tokens of assisted generation (0 skips)")
+    p.add_argument(
+        "--engine",
+        choices=["auto", "kvpack", "simulate"],
+        default="auto",
+        help="kvpack: the paged cache and fused kernels (default when available); simulate: the same cache "
+        "contents through the model's own attention (labelled as such in the report)",
+    )
+    p.add_argument("--backend", default="auto", help="decode kernel backend of the kvpack engine")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(command="eval")
+
+
+class _Bars:
+    """tqdm progress bars on stderr, one per section."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+
+    def start(self, section: str, total: int) -> None:
+        if not self.enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover
+            print(f"[kvpack eval] {section} ...", file=sys.stderr)
+            return
+        self.bar = tqdm(total=total, desc=f"{section:>22}", file=sys.stderr, leave=True, dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def end(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvpack.evaluation.suite import EvalConfig, quick_config
+
+    over: dict[str, Any] = {"model": args.model, "seed": args.seed, "engine": args.engine, "backend": args.backend}
+    for key in ("formats", "lengths", "depths", "kinds"):
+        if getattr(args, key) is not None:
+            over[key] = getattr(args, key)
+    if args.fidelity_tokens is not None:
+        over["fidelity_tokens"] = args.fidelity_tokens
+    if args.speculative_tokens is not None:
+        over["speculative_tokens"] = args.speculative_tokens
+    if "formats" in over:
+        if "fp16" not in over["formats"]:
+            over["formats"] = ["fp16", *over["formats"]]
+        others = [f for f in over["formats"] if f != "fp16"]
+        if args.quick:  # attribute one format: int4 when asked for, else the first one
+            over["attribution"] = ["int4"] if "int4" in others else others[:1]
+        elif not {"int4", "kivi2"} & set(others):  # the default pair is absent: attribute them all
+            over["attribution"] = None
+    cfg = quick_config(**over) if args.quick else EvalConfig(**over)
+    cfg.check()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpack.evaluation.report import summary_table, write_report
+    from kvpack.evaluation.suite import run_eval
+
+    cfg = config_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    results = run_eval(cfg, progress=_Bars(not args.no_progress))
+    try:
+        page = write_report(results, args.out)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to {args.out!r} ({e}); pass --out with a writable folder") from e
+    if args.json:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+    else:
+        print(summary_table(results))
+        print(f"\nreport: {page}  (results: {page.parent / 'results.json'})")
+    return 0

@@ -1,0 +1,440 @@
+"""The whole evaluation: needle sweep, fidelity, attribution, speculative decoding, verdicts -> one dict.
+
+:func:`run_eval` is what ``kvpack eval`` calls. Every number it produces is deterministic for a given
+configuration and seed (greedy decoding, seeded haystacks and needles); wall-clock times live apart, under
+``results["run"]``.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+from kvpack.errors import ConfigError
+from kvpack.evaluation.attribution import keys_only, layer_sensitivity, values_only
+from kvpack.evaluation.fidelity import summarize, teacher_forced
+from kvpack.evaluation.haystack import build_haystack
+from kvpack.evaluation.needles import DEFAULT_KINDS, KINDS, make_probe
+from kvpack.evaluation.runner import LoadedModel, Runner
+from kvpack.evaluation.scoring import could_still_match, exact_match, normalize
+from kvpack.evaluation.speculative import assisted_greedy
+from kvpack.evaluation.verdict import compare_needles, verdict
+from kvpack.formats import KVFormat, parse_format
+
+__all__ = ["DEFAULT_FORMATS", "EvalConfig", "NullProgress", "Progress", "quick_config", "run_eval"]
+
+DEFAULT_FORMATS = ("fp16", "fp8", "int8", "int4", "k4v2", "kivi2", "int4-g32")
+
+
+@dataclass
+class EvalConfig:
+    """What one evaluation runs (every field lands in ``results.json``).
+
+    Attributes:
+        model: a local Hugging Face folder, or ``None`` for the embedded SmolLM2-135M-Instruct.
+        formats: format names or strings; the first one equal to ``baseline`` is the baseline.
+        baseline: the format others are compared to (``fp16``; itself compared to full precision).
+        lengths: needle document lengths in tokens.
+        depths: needle depths in ``[0, 1]``.
+        kinds: needle kinds (see :mod:`kvpack.evaluation.needles`).
+        seed: seeds every haystack and needle.
+        fidelity_tokens: length of the teacher-forced text (0 skips fidelity and attribution).
+        fidelity_chunk: tokens per chunk of the teacher-forced text.
+        attribution: formats to split into keys-only and values-only runs (those not among ``formats`` are
+            skipped; ``None``: every format but the baseline).
+        sensitivity_tokens: length of the per-layer sensitivity text (0 skips it).
+        speculative_tokens: tokens generated with a draft after each prompt (0 skips speculative decoding).
+        speculative_prompts: how many prompts (documents) the speculative run uses.
+        speculative_context: prompt length of the speculative run.
+        draft_tokens: draft tokens per verification.
+        engine: ``auto``, ``kvpack`` or ``simulate`` (see :class:`~kvpack.evaluation.runner.Runner`).
+        backend: kvpack's decode kernel backend.
+    """
+
+    model: str | None = None
+    formats: list[str] = field(default_factory=lambda: list(DEFAULT_FORMATS))
+    baseline: str = "fp16"
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
+    seed: int = 0
+    fidelity_tokens: int = 2048
+    fidelity_chunk: int = 512
+    attribution: list[str] | None = field(default_factory=lambda: ["int4", "kivi2"])
+    sensitivity_tokens: int = 512
+    speculative_tokens: int = 16
+    speculative_prompts: int = 3
+    speculative_context: int = 1024
+    draft_tokens: int = 4
+    engine: str = "auto"
+    backend: str = "auto"
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming every bad field."""
+        bad = []
+        if not self.formats:
+            bad.append("give at least one format")
+        if self.baseline not in self.formats:
+            bad.append(f"the baseline {self.baseline!r} must be among the formats {self.formats}")
+        if any(n < 64 for n in self.lengths):
+            bad.append(f"lengths must be at least 64 tokens, got {self.lengths}")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            bad.append(f"depths must lie in [0, 1], got {self.depths}")
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if unknown:
+            bad.append(f"unknown needle kinds {unknown}; kinds are {', '.join(KINDS)}")
+        if self.fidelity_tokens and self.fidelity_tokens < 2:
+            bad.append("fidelity_tokens must be 0 (skip) or at least 2")
+        if bad:
+            raise ConfigError("; ".join(bad))
+
+
+def quick_config(**overrides: Any) -> EvalConfig:
+    """A reduced sweep that finishes in a few minutes: two lengths, one depth, short fidelity text."""
+    cfg = EvalConfig(
+        lengths=[1024, 2048],
+        depths=[0.5],
+        fidelity_tokens=1024,
+        attribution=["int4"],
+        sensitivity_tokens=256,
+        speculative_tokens=16,
+        speculative_prompts=1,
+        speculative_context=512,
+    )
+    return replace(cfg, **overrides)
+
+
+class Progress(Protocol):
+    """What :func:`run_eval` reports progress to (the CLI wraps tqdm)."""
+
+    def start(self, section: str, total: int) -> None: ...
+    def advance(self, n: int = 1) -> None: ...
+    def end(self) -> None: ...
+
+
+class NullProgress:
+    def start(self, section: str, total: int) -> None:
+        return None
+
+    def advance(self, n: int = 1) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _rng(seed: int, *parts: Any) -> random.Random:
+    return random.Random(":".join(str(p) for p in (seed, *parts)))
+
+
+def _fact_depths(n_facts: int, depth: float) -> list[float]:
+    """One fact at ``depth``; linked facts half a document apart at ``depth / 2`` and ``0.5 + depth / 2``; a
+    third (the distractor) between them."""
+    if n_facts == 1:
+        return [depth]
+    return [depth / 2, 0.5 + depth / 2, 0.25 + depth / 2][:n_facts]
+
+
+def _used_bytes(cache: Any) -> int | None:
+    report = getattr(cache, "memory_report", None)
+    if report is None:
+        return None
+    rep = report()
+    total = getattr(rep, "total", None)
+    if total is not None:
+        return int(total.used_bytes)
+    if isinstance(rep, dict) and "used_bytes" in rep:
+        return int(rep["used_bytes"])
+    return None
+
+
+def _needles(
+    runner: Runner, cfg: EvalConfig, formats: dict[str, KVFormat], progress: Progress, measured: dict[str, int]
+) -> list[dict[str, Any]]:
+    lm = runner.lm
+    cases = []
+    progress.start("needles", len(cfg.lengths) * len(cfg.depths) * len(cfg.kinds) * len(formats))
+    for length in cfg.lengths:
+        for depth in cfg.depths:
+            for kind in cfg.kinds:
+                probe = make_probe(kind, _rng(cfg.seed, "needle", length, depth, kind))
+                hay_seed = cfg.seed * 1_000_003 + length
+                depths = _fact_depths(len(probe.facts), depth)
+                # the document chunk, chat framing included, is `length` tokens
+                frame = len(lm.encode(runner.template.document("")))
+                hay = build_haystack(lm.encode, length - frame, probe.facts, depths, seed=hay_seed)
+                doc = lm.encode(runner.template.document(hay.text))
+                question = lm.encode(runner.template.question(probe.question, probe.answer_prefix))
+                budget = len(lm.encode(" " + probe.answer)) + 2
+
+                def undecided(text: str, kind: str = kind, answer: str = probe.answer) -> bool:
+                    return could_still_match(kind, answer, text)
+
+                pre = runner.prefill(doc)
+                case: dict[str, Any] = {
+                    "length": length,
+                    "depth": depth,
+                    "kind": kind,
+                    "doc_tokens": len(doc),
+                    "question_tokens": len(question),
+                    "actual_depths": list(hay.actual_depths),
+                    "facts": list(probe.facts),
+                    "question": probe.question,
+                    "answer_prefix": probe.answer_prefix,
+                    "answer": probe.answer,
+                    "outputs": {},
+                    "correct": {},
+                }
+                for name, fmt in formats.items():
+                    cache = runner.filled(pre, fmt, len(doc) + len(question) + budget + 1)
+                    if length == max(cfg.lengths) and name not in measured:
+                        used = _used_bytes(cache)
+                        if used is not None:
+                            measured[name] = used
+                    # decoding stops once the answer is decided: complete, or already wrong
+                    out = lm.decode(runner.greedy(cache, question, budget, keep_going=undecided))
+                    case["outputs"][name] = out
+                    case["correct"][name] = exact_match(kind, probe.answer, out)
+                    progress.advance()
+                base = normalize(case["outputs"][cfg.baseline], kind)
+                case["same_as_baseline"] = {n: normalize(o, kind) == base for n, o in case["outputs"].items()}
+                cases.append(case)
+    progress.end()
+    return cases
+
+
+def _fidelity(
+    runner: Runner, cfg: EvalConfig, variants: dict[str, KVFormat], progress: Progress
+) -> tuple[dict[str, Any], int]:
+    lm = runner.lm
+    text = build_haystack(lm.encode, cfg.fidelity_tokens + 64, seed=cfg.seed * 1_000_003 + 7).text
+    ids = lm.encode(text)[: cfg.fidelity_tokens]
+    n_chunks = -(-len(ids) // cfg.fidelity_chunk)
+    progress.start("fidelity", n_chunks)
+    ref = runner.cache(None, len(ids))
+    caches = {name: runner.cache(fmt, len(ids) + 1) for name, fmt in variants.items()}
+    res = teacher_forced(runner.forward, ids, ref, caches, chunk=cfg.fidelity_chunk, progress=progress.advance)
+    progress.end()
+    return {name: summarize(r) for name, r in res.items()}, len(ids)
+
+
+def _speculative(
+    runner: Runner, cfg: EvalConfig, formats: dict[str, KVFormat], progress: Progress
+) -> dict[str, dict[str, Any]]:
+    """Assisted greedy generation after several prompts (a document and a request to summarise it).
+
+    Several short generations rather than one long one: after the first disagreement a target follows its
+    own text, so one long run is dominated by where its first flip happened.
+    """
+    lm = runner.lm
+    frame = len(lm.encode(runner.template.document("")))
+    question = lm.encode(runner.template.question("Summarize the document in a few sentences.", ""))
+    progress.start("speculative", cfg.speculative_prompts * len(formats))
+    totals = {name: {"proposed": 0, "accepted": 0, "target_calls": 0, "tokens": 0, "texts": []} for name in formats}
+    for p in range(cfg.speculative_prompts):
+        seed = cfg.seed * 1_000_003 + 11 + 1000 * p
+        text = build_haystack(lm.encode, cfg.speculative_context - frame, seed=seed).text
+        doc = lm.encode(runner.template.document(text))
+        prompt = doc + question
+        pre = runner.prefill(doc)
+        max_tokens = len(prompt) + cfg.speculative_tokens + cfg.draft_tokens + 2
+        for name, fmt in formats.items():
+            target = runner.filled(pre, fmt, max_tokens)
+            draft = runner.filled(pre, None, max_tokens)
+            if len(question) > 1:
+                runner.forward(question[:-1], target, logits_to_keep=1)
+                runner.forward(question[:-1], draft, logits_to_keep=1)
+            r = assisted_greedy(runner, prompt, target, draft, cfg.speculative_tokens, cfg.draft_tokens)
+            t = totals[name]
+            t["proposed"] += r.proposed
+            t["accepted"] += r.accepted
+            t["target_calls"] += r.target_calls
+            t["tokens"] += len(r.tokens)
+            t["texts"].append(lm.decode(r.tokens))
+            progress.advance()
+    progress.end()
+    base = totals[cfg.baseline]["texts"] if cfg.baseline in totals else None
+    out = {}
+    for name, t in totals.items():
+        out[name] = {
+            "acceptance": t["accepted"] / t["proposed"] if t["proposed"] else 1.0,
+            "proposed": t["proposed"],
+            "accepted": t["accepted"],
+            "target_calls": t["target_calls"],
+            "tokens_per_call": t["tokens"] / t["target_calls"] if t["target_calls"] else 0.0,
+            "texts": t["texts"],
+            "same_text_as_baseline": t["texts"] == base,
+        }
+    return out
+
+
+def _environment() -> dict[str, str]:
+    import numpy
+
+    import kvpack
+
+    env = {
+        "kvpack": kvpack.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "haystack_corpus": f"pydoc_data.topics of Python {platform.python_version()}",
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return env
+
+
+def _format_facts(formats: dict[str, KVFormat], lm: LoadedModel, lengths: Sequence[int]) -> dict[str, Any]:
+    fp16 = parse_format("fp16")
+    n = max(lengths) if lengths else 4096
+    kw = {"kv_heads": lm.kv_heads, "head_dim": lm.head_dim}
+    out = {}
+    for name, fmt in formats.items():
+        b = fmt.bytes_for_tokens(n, layers=lm.num_layers, **kw)
+        out[name] = {
+            "spec": fmt.spec_string(),
+            "bits_per_element": fmt.bits_per_element(**kw),
+            "bytes_per_token": fmt.bytes_per_token(layers=lm.num_layers, **kw),
+            "tokens": n,
+            "cache_bytes": b,
+            "ratio_vs_fp16": b / fp16.bytes_for_tokens(n, layers=lm.num_layers, **kw),
+        }
+    return out
+
+
+def run_eval(
+    cfg: EvalConfig, lm: LoadedModel | None = None, progress: Progress | None = None, **runner_kw: Any
+) -> dict:
+    """Run the evaluation ``cfg`` describes and return every result as a JSON-ready dict.
+
+    Args:
+        cfg: the configuration.
+        lm: an already loaded model (default: load ``cfg.model``).
+        progress: progress sink (default: silent).
+        runner_kw: passed to :class:`Runner` (tests pass ``zero_keys_for=[name]`` to plant a broken format).
+    """
+    cfg.check()
+    progress = progress or NullProgress()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if lm is None:
+        from kvpack.evaluation.runner import load
+
+        lm = load(cfg.model)
+    timings["load"] = time.perf_counter() - t0
+    runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, **runner_kw)
+    formats = {name: parse_format(name) for name in cfg.formats}
+    for fmt in formats.values():
+        fmt.check(lm.head_dim)
+    too_long = [n for n in cfg.lengths if lm.max_context and n + 64 > lm.max_context]
+    if too_long:
+        raise ConfigError(
+            f"lengths {too_long} do not fit the model's context of {lm.max_context} tokens (question and answer "
+            "need room too); choose shorter --lengths"
+        )
+    results: dict[str, Any] = {
+        "config": asdict(cfg) | {"engine": runner.engine},
+        "environment": _environment(),
+        "model": {
+            "name": lm.name,
+            "layers": lm.num_layers,
+            "kv_heads": lm.kv_heads,
+            "head_dim": lm.head_dim,
+            "max_context": lm.max_context,
+            "parameters": sum(p.numel() for p in lm.model.parameters()),
+            "dtype": str(next(lm.model.parameters()).dtype).replace("torch.", ""),
+        },
+        "formats": _format_facts(formats, lm, cfg.lengths),
+    }
+
+    measured: dict[str, int] = {}
+    t = time.perf_counter()
+    cases = _needles(runner, cfg, formats, progress, measured) if cfg.lengths and cfg.depths and cfg.kinds else []
+    timings["needles"] = time.perf_counter() - t
+    for name, used in measured.items():
+        results["formats"][name]["measured_cache_bytes"] = used
+    summaries = {name: compare_needles(cases, name, cfg.baseline) for name in formats} if cases else {}
+    results["needles"] = {"cases": cases, "summary": summaries}
+
+    fid: dict[str, Any] = {}
+    attribution: dict[str, Any] = {}
+    if cfg.fidelity_tokens:
+        attr_names = [n for n in formats if n != cfg.baseline]
+        if cfg.attribution is not None:
+            attr_names = [n for n in cfg.attribution if n in attr_names]
+        variants = dict(formats)
+        for name in attr_names:
+            fmt = formats[name]
+            variants[f"{name} keys only"] = keys_only(fmt)
+            variants[f"{name} values only"] = values_only(fmt)
+        t = time.perf_counter()
+        fid, n_tokens = _fidelity(runner, cfg, variants, progress)
+        timings["fidelity"] = time.perf_counter() - t
+        attribution["fidelity"] = {
+            name: {
+                side: fid[key]["kl_mean"]
+                for side, key in (
+                    ("both", name),
+                    ("keys_only", f"{name} keys only"),
+                    ("values_only", f"{name} values only"),
+                )
+                if key in fid
+            }
+            for name in attr_names
+        }
+        results["fidelity"] = {
+            "tokens": n_tokens,
+            "chunk": cfg.fidelity_chunk,
+            "reference": f"full precision ({results['model']['dtype']} DynamicCache)",
+            "variants": fid,
+        }
+    if cfg.sensitivity_tokens:
+        t = time.perf_counter()
+        text = build_haystack(lm.encode, cfg.sensitivity_tokens + 64, seed=cfg.seed * 1_000_003 + 13).text
+        ids = lm.encode(text)[: cfg.sensitivity_tokens]
+        progress.start("per-layer sensitivity", 1)
+        attribution["layer_sensitivity"] = {
+            "tokens": len(ids),
+            "metric": "relative attention-output error of each layer alone (simulate engine)",
+            "errors": layer_sensitivity(runner, ids, {n: f for n, f in formats.items() if n != cfg.baseline}),
+        }
+        progress.advance()
+        progress.end()
+        timings["sensitivity"] = time.perf_counter() - t
+    results["attribution"] = attribution
+    if cfg.speculative_tokens:
+        t = time.perf_counter()
+        results["speculative"] = _speculative(runner, cfg, formats, progress)
+        timings["speculative"] = time.perf_counter() - t
+
+    max_len = max(cfg.lengths) if cases else None
+    results["verdicts"] = {
+        name: verdict(name, summaries.get(name), fid.get(name), max_len, cfg.baseline) for name in formats
+    }
+    timings["total"] = time.perf_counter() - t0
+    results["run"] = {
+        "seconds": timings,
+        "started": started,
+        "torch_threads": torch.get_num_threads(),
+        # CPU seconds of this process: with one thread, what the run takes on an idle core (wall time on a
+        # shared machine includes waiting for other work)
+        "cpu_seconds": time.process_time() - cpu0,
+    }
+    return results

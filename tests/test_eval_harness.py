@@ -1,0 +1,165 @@
+"""The whole evaluation end to end on a tiny random model: determinism, a planted broken format, the report."""
+
+import json
+
+import pytest
+import torch
+
+from kvpack.evaluation.report import summary_table, write_report
+from kvpack.evaluation.runner import Runner, wrap
+from kvpack.evaluation.suite import EvalConfig, run_eval
+from kvpack.evaluation.tiny import tiny_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls: a second thread only adds synchronisation (and other test runs share the cores)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def lm(one_thread):
+    model, tok = tiny_model(seed=0)
+    return wrap(model, tok, "tiny-llama")
+
+
+def small_config(**kw):
+    base = dict(
+        formats=["fp16", "int8", "kivi2"],
+        lengths=[192, 384],
+        depths=[0.5],
+        kinds=["number", "identifier"],
+        fidelity_tokens=384,
+        fidelity_chunk=128,
+        attribution=["kivi2"],
+        sensitivity_tokens=160,
+        speculative_tokens=6,
+        speculative_prompts=1,
+        speculative_context=192,
+        engine="simulate",
+    )
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def _numbers(results):
+    return {k: v for k, v in results.items() if k != "run"}
+
+
+@pytest.fixture(scope="module")
+def simulated(lm):
+    return run_eval(small_config(), lm=lm)
+
+
+def test_runs_end_to_end_and_is_deterministic(lm, simulated):
+    again = run_eval(small_config(), lm=lm)
+    assert _numbers(again) == _numbers(simulated)
+    other_seed = run_eval(small_config(seed=1, fidelity_tokens=0, sensitivity_tokens=0, speculative_tokens=0), lm=lm)
+    assert other_seed["needles"]["cases"][0]["answer"] != simulated["needles"]["cases"][0]["answer"]
+
+
+def test_results_hold_every_section(simulated):
+    r = simulated
+    assert r["config"]["engine"] == "simulate"
+    assert {"torch", "transformers", "python", "kvpack"} <= set(r["environment"])
+    cases = r["needles"]["cases"]
+    assert len(cases) == 2 * 1 * 2
+    assert all(set(c["outputs"]) == {"fp16", "int8", "kivi2"} for c in cases)
+    fid = r["fidelity"]["variants"]
+    assert set(fid) == {"fp16", "int8", "kivi2", "kivi2 keys only", "kivi2 values only"}
+    # fp16 barely moves the distribution; int8 a little; 2-bit a lot (ordering, not hard-coded values)
+    assert fid["fp16"]["kl_mean"] < fid["int8"]["kl_mean"] < fid["kivi2"]["kl_mean"]
+    assert fid["fp16"]["top1_agreement"] >= fid["kivi2"]["top1_agreement"]
+    assert sum(b["tokens"] for b in fid["int8"]["by_position"]) == fid["int8"]["tokens"] == 383
+    assert set(r["attribution"]["fidelity"]["kivi2"]) == {"both", "keys_only", "values_only"}
+    sens = r["attribution"]["layer_sensitivity"]["errors"]
+    assert set(sens) == {"int8", "kivi2"} and all(len(v) == 2 for v in sens.values())
+    assert sum(sens["int8"]) < sum(sens["kivi2"])
+    spec = r["speculative"]
+    for s in spec.values():  # each verification commits the accepted draft tokens plus one of its own
+        assert s["accepted"] + s["target_calls"] in (6, 7) and 0.0 <= s["acceptance"] <= 1.0
+    fmt = r["formats"]
+    assert fmt["fp16"]["ratio_vs_fp16"] == 1.0 and fmt["kivi2"]["ratio_vs_fp16"] < fmt["int8"]["ratio_vs_fp16"] < 1
+    assert r["verdicts"]["fp16"]["status"] == "baseline"
+    assert r["verdicts"]["kivi2"]["status"] in ("caution", "fails")
+
+
+def test_planted_broken_format_is_reported_failing(lm):
+    cfg = small_config(lengths=[384], kinds=["number"], attribution=[], sensitivity_tokens=0, speculative_tokens=0)
+    honest = run_eval(cfg, lm=lm)
+    broken = run_eval(cfg, lm=lm, zero_keys_for=["int8"])
+    assert honest["verdicts"]["int8"]["status"] == "ok", honest["verdicts"]["int8"]
+    assert broken["verdicts"]["int8"]["status"] == "fails", broken["verdicts"]["int8"]
+    assert "badly damaged" in broken["verdicts"]["int8"]["text"]
+    kl_honest = honest["fidelity"]["variants"]["int8"]["kl_mean"]
+    kl_broken = broken["fidelity"]["variants"]["int8"]["kl_mean"]
+    assert kl_broken > 50 * kl_honest
+    # the baseline is untouched by the planted format
+    assert broken["fidelity"]["variants"]["fp16"] == honest["fidelity"]["variants"]["fp16"]
+
+
+def test_report_files(simulated, tmp_path):
+    page = write_report(simulated, tmp_path / "rep")
+    html = page.read_text()
+    assert html.count("data:image/png;base64,") >= 5  # heatmaps, length curve, fidelity, attribution, layers
+    assert "http" not in html.replace("http-equiv", "")  # nothing to fetch: readable offline
+    for name in ("fp16", "int8", "kivi2"):
+        assert name in html
+    loaded = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert _numbers(loaded) == json.loads(json.dumps(_numbers(simulated)))
+    table = summary_table(simulated)
+    assert table.splitlines()[0].split()[:3] == ["format", "bits/elem", "bytes"]
+    assert "kivi2:" in table
+    bare = write_report(simulated, tmp_path / "bare", plots=False).read_text()
+    assert "data:image/png" not in bare and "<table" in bare
+
+
+def test_speculative_full_precision_accepts_everything(lm):
+    from kvpack.evaluation.speculative import assisted_greedy
+
+    runner = Runner(lm, engine="simulate")
+    prompt = lm.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    pre = runner.prefill(prompt[:-1])
+    target, draft = runner.filled(pre, None, 400), runner.filled(pre, None, 400)
+    res = assisted_greedy(runner, prompt, target, draft, max_new_tokens=12, draft_tokens=3)
+    assert res.acceptance == 1.0
+    assert res.target_calls == 3  # 12 tokens, 3 drafted + 1 from the target per call
+    plain = runner.greedy(runner.filled(pre, None, 400), prompt[-1:], 12, stop_at_newline=False)
+    assert res.tokens[: len(plain)] == plain
+    # a 2-bit target rejects some draft tokens, and the caches stay consistent while it does
+    target2, draft2 = runner.filled(pre, "kivi2", 400), runner.filled(pre, None, 400)
+    res2 = assisted_greedy(runner, prompt, target2, draft2, max_new_tokens=12, draft_tokens=3)
+    assert len(res2.tokens) == 12
+    # both caches hold the prompt and the committed tokens but the last (one more when the last round overshot)
+    assert target2.get_seq_length() in (len(prompt) + 11, len(prompt) + 12)
+    assert draft2.get_seq_length() <= target2.get_seq_length()
+
+
+def test_kvpack_engine_matches_simulation(lm):
+    cfg = small_config(lengths=[384], attribution=[], sensitivity_tokens=0, speculative_tokens=0, engine="kvpack")
+    real = run_eval(cfg, lm=lm)
+    sim = run_eval(small_config(lengths=[384], attribution=[], sensitivity_tokens=0, speculative_tokens=0), lm=lm)
+    assert real["config"]["engine"] == "kvpack"
+    for name in ("int8", "kivi2"):
+        a = real["fidelity"]["variants"][name]["kl_mean"]
+        b = sim["fidelity"]["variants"][name]["kl_mean"]
+        assert abs(a - b) <= 0.05 * b + 1e-5, (name, a, b)
+    # the paged cache reports its bytes, and the quantized one is smaller
+    fmt = real["formats"]
+    assert 0 < fmt["kivi2"]["measured_cache_bytes"] < fmt["fp16"]["measured_cache_bytes"]
+
+
+@pytest.mark.parametrize("engine", ["simulate", "kvpack"])
+def test_filling_caches_leaves_the_prefill_untouched(lm, engine):
+    runner = Runner(lm, engine=engine)
+    pre = runner.prefill(lm.encode("A document of a few blocks. " * 12))
+    before = [k.clone() for k in pre.keys] + [v.clone() for v in pre.values]
+    cache = runner.filled(pre, "kivi2", 512)
+    assert cache.get_seq_length() == len(pre.ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, pre.keys + pre.values))
+    # and the question reads the quantized document: its logits differ from the full-precision cache's
+    q = lm.encode(" Question?")
+    assert not torch.equal(runner.forward(q, cache), runner.forward(q, runner.filled(pre, None, 512)))
