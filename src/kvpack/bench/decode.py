@@ -1,0 +1,332 @@
+"""``kvpack bench decode``: decode attention over a long cache, every provider measured in the same run.
+
+A declarative sweep: x values (context lengths) x providers -> rows. Providers:
+
+* ``sdpa-fp32`` / ``sdpa-bf16``: ``torch.nn.functional.scaled_dot_product_attention`` over a dense
+  full-precision cache ``[batch, kv_heads, n, head_dim]``. Grouped-query attention is formulated as
+  ``q.view(batch, kv_heads, Hq / kv_heads, head_dim)`` against the un-expanded K/V (the query heads of a kv
+  head become query rows; decode attends every position, so no mask): measured here about 3x faster than
+  ``enable_gqa=True`` and far faster than expanding K/V, so the fastest fair baseline;
+* ``dequant-sdpa-<format>``: what transformers' ``QuantizedCache`` does every step: dequantize the whole
+  paged history with :func:`kvpack.quant.dequantize` into a scratch buffer, append the tail, call fp32 SDPA;
+* ``kvpack-<format>``: :func:`kvpack.kernels.decode_attention` with the fused CPU kernel.
+
+Per row: median milliseconds, GB/s of cache bytes read (the stored cache of that provider: fp32 or bf16
+K/V for SDPA, packed payload + scales + tail for the others), that rate as a share of the memory read
+bandwidth measured in the same process (:mod:`kvpack.bench.membw`), the speed ratio against every
+baseline, and the extra peak memory of one call (peak RSS above the RSS before it, from Linux's
+``VmHWM``; ``None`` where the OS cannot tell).
+
+Caches are built fast: keys and values are random (keys with persistent outlier channels), quantized in
+large batched calls over whole blocks, scattered into pools with shuffled block ids.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpack.errors import ConfigError
+from kvpack.formats import parse_format
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import QuantizedTensor, dequantize, quantize
+
+__all__ = ["BASELINES", "DecodeConfig", "Provider", "default_providers", "format_table", "run_sweep"]
+
+BASELINES = ("sdpa-fp32", "sdpa-bf16")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Shape and protocol of a sweep (defaults: the issue's benchmark)."""
+
+    contexts: tuple[int, ...] = (8192, 16384, 32768)
+    batch: int = 4
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 64
+    formats: tuple[str, ...] = ("int8", "fp8", "int4", "kivi2")
+    dequant_formats: tuple[str, ...] = ("int4",)
+    repeats: int = 10
+    slow_repeats: int = 3  # dequantize-then-SDPA is an order of magnitude slower
+    warmup: int = 2
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ConfigError(f"q_heads {self.q_heads} must be a multiple of kv_heads {self.kv_heads}")
+        if min(self.contexts, default=0) < 1 or self.batch < 1 or self.repeats < 1:
+            raise ConfigError("contexts, batch and repeats must be positive")
+        for f in (*self.formats, *self.dequant_formats):
+            parse_format(f).check(self.head_dim)
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One column of the sweep: ``kind`` is ``sdpa``, ``dequant-sdpa`` or ``kvpack``."""
+
+    name: str
+    kind: str
+    format: str
+    baseline: bool = False
+
+
+def default_providers(formats: Sequence[str], dequant_formats: Sequence[str]) -> list[Provider]:
+    """fp32 and bf16 SDPA, dequantize-then-SDPA per ``dequant_formats``, the kernel per ``formats``."""
+    out = [Provider("sdpa-fp32", "sdpa", "fp32", True), Provider("sdpa-bf16", "sdpa", "bf16", True)]
+    out += [Provider(f"dequant-sdpa-{f}", "dequant-sdpa", f, True) for f in dequant_formats]
+    out += [Provider(f"kvpack-{f}", "kvpack", f) for f in formats]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass
+class _Case:
+    """The tensors of one context length, shared by every provider."""
+
+    n: int
+    q: torch.Tensor  # [batch, Hq, D] float32
+    k: torch.Tensor  # [batch, H, n, D] float32
+    v: torch.Tensor
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    paged: dict[str, PagedKV] = field(default_factory=dict)
+
+
+def _make_case(cfg: DecodeConfig, n: int) -> _Case:
+    g = torch.Generator().manual_seed(cfg.seed + n)
+    shape = (cfg.batch, cfg.kv_heads, n, cfg.head_dim)
+    k = torch.randn(*shape, generator=g)
+    outliers = torch.randperm(cfg.head_dim, generator=g)[:4]
+    k[..., outliers] = k[..., outliers] * 12.0 + 6.0  # persistent outlier channels, as real keys have
+    v = torch.randn(*shape, generator=g)
+    q = torch.randn(cfg.batch, cfg.q_heads, cfg.head_dim, generator=g)
+    return _Case(n, q, k, v)
+
+
+def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int = 0) -> PagedKV:
+    """A :class:`PagedKV` holding ``k``/``v`` ``[batch, H, n, D]`` (float32), blocks quantized in batched
+    calls and scattered to shuffled block ids; the last ``n % block_size`` tokens form the tail."""
+    fmt = parse_format(fmt_name).with_block_size(block_size)
+    batch, h, n, d = k.shape
+    nb, t = divmod(n, block_size)
+    total = batch * nb
+    ids = torch.randperm(max(total, 1), generator=torch.Generator().manual_seed(seed))[:total] + 1
+    tables = torch.zeros(batch, nb + 1, dtype=torch.int32)
+    tables[:, :nb] = ids.view(batch, nb).to(torch.int32)
+    pools = []
+    for spec, x in ((fmt.key, k), (fmt.value, v)):
+        blocks = x[:, :, : nb * block_size].reshape(batch, h, nb, block_size, d).permute(0, 2, 1, 3, 4)
+        blocks = blocks.reshape(total, h, block_size, d)
+        parts = [quantize(blocks[i : i + 512].contiguous(), spec) for i in range(0, max(total, 1), 512)]
+        if not parts:
+            parts = [quantize(torch.randn(1, h, block_size, d), spec)]
+        pool = []
+        for attr in ("data", "scale", "zero"):
+            if getattr(parts[0], attr) is None:
+                pool.append(None)
+                continue
+            src = torch.cat([getattr(q, attr) for q in parts])
+            dst = torch.zeros((total + 1, *src.shape[1:]), dtype=src.dtype)
+            if total:
+                dst[ids.long()] = src[:total]
+            pool.append(dst)
+        pools.append(pool)
+    tail_k = torch.zeros(batch, h, block_size, d)
+    tail_v = torch.zeros(batch, h, block_size, d)
+    tail_k[:, :, :t] = k[:, :, nb * block_size :]
+    tail_v[:, :, :t] = v[:, :, nb * block_size :]
+    (kd, ks, kz), (vd, vs, vz) = pools
+    return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, torch.full((batch,), n, dtype=torch.int32), tail_k, tail_v)
+
+
+def cache_bytes(kv: PagedKV) -> int:
+    """Bytes of the stored cache the sequences of ``kv`` occupy: sealed blocks (payload, scales, zeros)
+    plus the tail tokens, which is what a decode step has to read."""
+    fmt, h, d = kv.format, kv.kv_heads, kv.head_dim
+    total = 0
+    for n in kv.seq_lens.tolist():
+        nb, t = divmod(int(n), kv.block_size)
+        total += nb * fmt.block_bytes(h, d) + 2 * t * h * d * kv.tail_k.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# Providers -> a zero-argument callable and the bytes it reads
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q ``[batch, Hq, D]``, k/v ``[batch, H, n, D]`` -> ``[batch, Hq, D]`` (query heads grouped per kv head)."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(q.view(b, h, hq // h, d), k, v)
+    return out.reshape(b, hq, d)
+
+
+def dequant_then_sdpa(q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
+    """Dequantize every sealed block into a dense fp32 scratch history, append the tail, run SDPA."""
+    b, h, d, bs = kv.batch, kv.kv_heads, kv.head_dim, kv.block_size
+    n = int(kv.seq_lens[0])
+    nb, t = divmod(n, bs)
+    ids = kv.block_tables[:, :nb].reshape(-1).long()
+    dense = []
+    for data, scale, zero, spec, tail in (
+        (kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k),
+        (kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v),
+    ):
+        qt = QuantizedTensor(data[ids], None if scale is None else scale[ids], None if zero is None else zero[ids],
+                             spec, d)  # fmt: skip
+        x = dequantize(qt).view(b, nb, h, bs, d).permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)
+        dense.append(torch.cat([x, tail[:, :, :t].float()], dim=2))
+    return _sdpa(q, dense[0], dense[1])
+
+
+def _prepare(p: Provider, case: _Case, cfg: DecodeConfig) -> tuple[Callable[[], Any], int]:
+    if p.kind == "sdpa":
+        if p.format not in case.dense:
+            dt = torch.float32 if p.format == "fp32" else torch.bfloat16
+            case.dense[p.format] = (case.k.to(dt), case.v.to(dt))
+        k, v = case.dense[p.format]
+        q = case.q.to(k.dtype)
+        return (lambda: _sdpa(q, k, v)), k.nbytes + v.nbytes
+    if p.format not in case.paged:
+        case.paged[p.format] = build_paged_kv(p.format, case.k, case.v, cfg.block_size, cfg.seed)
+    kv = case.paged[p.format]
+    if p.kind == "dequant-sdpa":
+        return (lambda: dequant_then_sdpa(case.q, kv)), cache_bytes(kv)
+    from kvpack.kernels import decode_attention
+
+    out = torch.empty_like(case.q)
+    return (lambda: decode_attention(case.q, kv, backend="cpu", out=out)), cache_bytes(kv)
+
+
+def _rss_peak_probe() -> tuple[Callable[[], None], Callable[[], int]] | None:
+    """(reset, peak-above-reset) from Linux's VmHWM, or None where it is unavailable."""
+
+    def _status(field_name: str) -> int:
+        with open("/proc/self/status") as fh:
+            return int(re.search(rf"{field_name}:\s+(\d+) kB", fh.read()).group(1)) * 1024
+
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        _status("VmHWM")
+    except (OSError, AttributeError):
+        return None
+    base = [0]
+
+    def reset() -> None:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets the peak RSS to the current RSS
+        base[0] = _status("VmRSS")
+
+    return reset, lambda: max(_status("VmHWM") - base[0], 0)
+
+
+def _time(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def run_sweep(
+    cfg: DecodeConfig,
+    providers: Sequence[Provider] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]], float]:
+    """Run the sweep: returns ``(rows, memory_bandwidth_gbps)`` (bandwidth: the best of a probe before and
+    after the kernels, so a noisy neighbour lowers it rather than flattering the kernels)."""
+    from kvpack.bench.membw import measure_read_bandwidth
+
+    providers = list(providers or default_providers(cfg.formats, cfg.dequant_formats))
+    old_threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    say = progress or (lambda s: None)
+    try:
+        bw = measure_read_bandwidth()
+        say(f"memory read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)")
+        probe = _rss_peak_probe()
+        rows = []
+        for n in cfg.contexts:
+            case = _make_case(cfg, n)
+            for p in providers:
+                fn, nbytes = _prepare(p, case, cfg)
+                reps = cfg.slow_repeats if p.kind == "dequant-sdpa" else cfg.repeats
+                times = _time(fn, reps, 1 if p.kind == "dequant-sdpa" else cfg.warmup)
+                scratch = None
+                if probe is not None:
+                    probe[0]()
+                    fn()
+                    scratch = probe[1]()
+                med = statistics.median(times)
+                rows.append({"provider": p.name, "kind": p.kind, "format": p.format, "context": n,
+                             "batch": cfg.batch, "q_heads": cfg.q_heads, "kv_heads": cfg.kv_heads,
+                             "head_dim": cfg.head_dim, "block_size": cfg.block_size,
+                             "threads": torch.get_num_threads(), "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
+                             "repeats": reps, "cache_bytes": nbytes, "gbps": nbytes / med / 1e9,
+                             "scratch_bytes": scratch, "baseline": p.baseline})  # fmt: skip
+                say(f"context {n:>6}  {p.name:<22} {med * 1e3:9.2f} ms")
+            del case
+        bw = max(bw, measure_read_bandwidth())
+    finally:
+        torch.set_num_threads(old_threads)
+    for r in rows:
+        r["memory_bandwidth_gbps"] = bw
+        r["pct_bandwidth"] = 100.0 * r["gbps"] / bw
+        for base in (q for q in rows if q["baseline"] and q["context"] == r["context"]):
+            r[f"speedup_vs_{base['provider']}"] = base["median_ms"] / r["median_ms"]
+    return rows, bw
+
+
+def format_table(rows: list[dict[str, Any]], bandwidth_gbps: float) -> str:
+    """A plain-text table of the rows (one block per context)."""
+    bases = list(dict.fromkeys(r["provider"] for r in rows if r["baseline"]))
+    head = ["provider", "median ms", "GB/s", "% bw", *[f"vs {b}" for b in bases], "extra MB"]
+    lines = [f"memory read bandwidth (measured): {bandwidth_gbps:.1f} GB/s"]
+    for n in dict.fromkeys(r["context"] for r in rows):
+        sub = [r for r in rows if r["context"] == n]
+        r0 = sub[0]
+        lines.append("")
+        lines.append(
+            f"context {n} tokens, batch {r0['batch']}, {r0['q_heads']} q / {r0['kv_heads']} kv heads, "
+            f"head_dim {r0['head_dim']}, {r0['threads']} threads"
+        )
+        table = [head]
+        for r in sub:
+            extra = "-" if r["scratch_bytes"] is None else f"{r['scratch_bytes'] / 2**20:.0f}"
+            table.append([r["provider"], f"{r['median_ms']:.2f}", f"{r['gbps']:.1f}", f"{r['pct_bandwidth']:.0f}",
+                          *[f"{r[f'speedup_vs_{b}']:.2f}x" for b in bases], extra])  # fmt: skip
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for row in table:
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def parse_tokens(text: str) -> int:
+    """``"8k"`` -> 8192, ``"32768"`` -> 32768."""
+    t = text.strip().lower()
+    mult = 1024 if t.endswith("k") else 1
+    try:
+        value = int(float(t[:-1] if t.endswith("k") else t) * mult)
+    except ValueError:
+        raise ConfigError(f"not a token count: {text!r} (use e.g. 8192 or 8k)") from None
+    if value < 1 or not math.isfinite(value):
+        raise ConfigError(f"token counts must be positive, got {text!r}")
+    return value

@@ -1,0 +1,122 @@
+"""``kvpack bench``: ``decode`` (attention kernels, same-run baselines) and ``generate`` (end to end).
+
+Parsers only here; the benchmark modules are imported when a benchmark runs, so building the CLI stays
+light (``kvpack size`` must not import torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpack.errors import ConfigError
+
+DECODE_EPILOG = """\
+examples:
+  kvpack bench decode                      # batch 4, 32 q / 8 kv heads, head_dim 128, 8k 16k 32k
+  kvpack bench decode --quick              # a small grid, about a minute
+  kvpack bench decode --formats int8,int4 --contexts 32k --json out.json
+"""
+
+QUICK = {"contexts": "2k,8k", "formats": "int8,int4", "repeats": 5}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks: decode attention against SDPA, or end-to-end generation",
+        description="Benchmarks that print numbers. Baselines are measured in the same run.",
+    )
+    sub = p.add_subparsers(dest="bench", metavar="BENCH")
+    d = sub.add_parser(
+        "decode",
+        help="fused decode kernel vs fp32/bf16 SDPA and dequantize-then-SDPA, with memory bandwidth",
+        description="Decode attention over a paged cache: median ms, GB/s of cache bytes read, share of the "
+        "machine's measured memory read bandwidth, ratio against each baseline, extra peak memory.",
+        epilog=DECODE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d.add_argument("--contexts", default=None, help="comma list of context lengths (default 8k,16k,32k)")
+    d.add_argument("--formats", default=None, help="kvpack formats for the kernel (default int8,fp8,int4,kivi2)")
+    d.add_argument(
+        "--dequant-formats", default="int4", help="formats for dequantize-then-SDPA ('' for none; default int4)"
+    )
+    d.add_argument("--batch", type=int, default=4, help="sequences (default 4)")
+    d.add_argument("--q-heads", type=int, default=32, help="query heads (default 32)")
+    d.add_argument("--kv-heads", type=int, default=8, help="kv heads (default 8)")
+    d.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    d.add_argument("--block-size", type=int, default=64, help="cache block size (default 64)")
+    d.add_argument("--repeats", type=int, default=None, help="timed calls per provider (default 10)")
+    d.add_argument("--threads", type=int, default=None, help="threads for torch and the kernel (default: torch's)")
+    d.add_argument("--quick", action="store_true", help="small grid (2k and 8k, int8 and int4), about a minute")
+    d.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    # generate is another module's: its options are parsed when it runs (see _run_generate)
+    g = sub.add_parser(
+        "generate",
+        help="end-to-end decode speed and cache memory of the embedded model (see: kvpack bench generate --help)",
+        add_help=False,
+        prefix_chars="\x01",  # no option syntax here: everything, --help included, goes to the module
+    )
+    g.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(_bench_parser=p)
+
+
+def _split(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from kvpack.bench.decode import DecodeConfig, format_table, parse_tokens, run_sweep
+
+    contexts = args.contexts or (QUICK["contexts"] if args.quick else "8k,16k,32k")
+    formats = args.formats or (QUICK["formats"] if args.quick else "int8,fp8,int4,kivi2")
+    repeats = args.repeats or (QUICK["repeats"] if args.quick else 10)
+    cfg = DecodeConfig(
+        contexts=tuple(parse_tokens(c) for c in _split(contexts)),
+        batch=args.batch,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        formats=_split(formats),
+        dequant_formats=_split(args.dequant_formats),
+        repeats=repeats,
+        slow_repeats=min(3, repeats),
+        threads=args.threads,
+    )
+    if not cfg.contexts:
+        raise ConfigError("--contexts is empty; give e.g. 8k,32k")
+    rows, bw = run_sweep(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(rows, bw))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"memory_bandwidth_gbps": bw, "rows": rows}, fh, indent=1)
+        print(f"rows written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    try:
+        from kvpack.bench import generate
+    except ModuleNotFoundError as e:
+        if e.name != "kvpack.bench.generate":
+            raise
+        print(
+            "kvpack bench generate: not available in this install (kvpack.bench.generate is missing); "
+            "reinstall kvpack with the 'hf' extra: pip install 'kvpack[hf]'",
+            file=sys.stderr,
+        )
+        return 2
+    parser = argparse.ArgumentParser(prog="kvpack bench generate", description=(generate.__doc__ or "").strip())
+    generate.add_arguments(parser)
+    return int(generate.run(parser.parse_args(args.rest)) or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "decode":
+        return _run_decode(args)
+    if args.bench == "generate":
+        return _run_generate(args)
+    args._bench_parser.print_help()
+    return 2

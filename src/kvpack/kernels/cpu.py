@@ -1,0 +1,297 @@
+"""The fused CPU decode backend: checks shapes, turns a :class:`PagedKV` into numba arguments, launches.
+
+The compiled loops live in :mod:`kvpack.kernels.cpu_numba` (imported on first use, so ``import kvpack``
+never pulls in numba). The kernel reads the packed payload and the stored scales straight from the pools;
+nothing dequantized is ever written to memory. Every format the presets use is covered: int8 (sym and
+asym), fp8 e4m3/e5m2, int4 and int2 (offset binary or unsigned + zero), passthrough fp16/bf16/fp32, any
+scale dtype (fp32, fp16, bf16, E8M0) and any granularity.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpack.errors import ShapeError
+from kvpack.formats import DType, QuantSpec, ScaleDType
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+
+__all__ = ["MIN_CHUNK_TOKENS", "decode_attention", "reasons_unsupported"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+# Shortest stretch of history one work item handles: below this, splitting costs more than it saves.
+MIN_CHUNK_TOKENS = 512
+# Work items per thread: enough to balance mixed lengths under numba's static scheduling.
+_ITEMS_PER_THREAD = 4
+
+
+@lru_cache(maxsize=1)
+def _nb() -> Any:
+    from kvpack.kernels import cpu_numba
+
+    return cpu_numba
+
+
+def _numba_missing() -> str | None:
+    try:
+        import numba  # noqa: F401
+    except ImportError as e:  # pragma: no cover - numba is part of the cpu extra
+        return f"numba is not installed ({e}); pip install 'kvpack[cpu]'"
+    return None
+
+
+def _spec_reasons(spec: QuantSpec, head_dim: int, role: str) -> list[str]:
+    reasons = []
+    per = 8 // spec.bits if spec.dtype in (DType.INT4, DType.INT2) else 1
+    if per == 1:
+        return reasons
+    if head_dim % per:
+        reasons.append(f"{role}: {spec.dtype.value} needs head_dim divisible by {per} here, got {head_dim}")
+    _, ts, cs = spec.scale_shape(1, 2, head_dim)
+    # scales that vary along a row (value groups or channels, key groups) must cover whole packed bytes
+    along_row = cs > 1 and (role == "values" or ts > 1)
+    if along_row and (head_dim // cs) % per:
+        reasons.append(
+            f"{role}: {spec.dtype.value} with {spec.granularity.name} scales needs groups of a multiple of {per} "
+            f"channels (got {head_dim // cs}); use g{per * 8} or a coarser granularity"
+        )
+    return reasons
+
+
+def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
+    """Why the CPU kernel cannot run this case (empty list: it can)."""
+    reasons = []
+    missing = _numba_missing()
+    if missing:
+        reasons.append(missing)
+    if q.device.type != "cpu" or kv.device.type != "cpu" or kv.k_data.device.type != "cpu":
+        reasons.append(f"tensors must be on the CPU (q on {q.device}, cache on {kv.device}); use the triton backend")
+    if q.dtype not in _FLOATS:
+        reasons.append(f"q dtype {q.dtype} is not float32/float16/bfloat16")
+    if kv.tail_k.dtype not in _FLOATS or kv.tail_v.dtype != kv.tail_k.dtype:
+        reasons.append(f"tails must share one of float32/float16/bfloat16, got {kv.tail_k.dtype}/{kv.tail_v.dtype}")
+    reasons += _spec_reasons(kv.format.key, kv.head_dim, "keys")
+    reasons += _spec_reasons(kv.format.value, kv.head_dim, "values")
+    return reasons
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arguments
+
+
+_SCALE_KIND = {ScaleDType.FP32: 1, ScaleDType.FP16: 2, ScaleDType.BF16: 3, ScaleDType.E8M0: 4}
+_FLOAT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # cpu_numba.FK_*
+_DUMMY = (np.zeros(1, np.uint8), np.zeros(1, np.uint16), np.zeros(1, np.float32))
+
+
+def _views(t: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat (uint8, uint16, float32) numpy views of a tensor's bytes; the slots that do not apply are dummies."""
+    if t is None:
+        return _DUMMY
+    t = (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+    if t.element_size() == 1:
+        return (t.view(torch.uint8).numpy(), _DUMMY[1], _DUMMY[2])
+    if t.element_size() == 2:
+        return (_DUMMY[0], t.view(torch.int16).numpy().view(np.uint16), _DUMMY[2])
+    return (_DUMMY[0], _DUMMY[1], t.float().numpy())
+
+
+def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
+    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape."""
+    nbm = _nb()
+    h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
+    want = payload_torch_dtype(spec)
+    if payload.dtype != want:
+        raise ShapeError(f"{role} payload dtype {payload.dtype} does not match format {spec} (expected {want})")
+    if tuple(payload.shape[1:]) != (h, b, spec.packed_head_dim(d)):
+        raise ShapeError(
+            f"{role} payload must be [num_blocks, {h}, {b}, {spec.packed_head_dim(d)}], got {tuple(payload.shape)}"
+        )
+    p = np.zeros(nbm.N_PARAMS, np.int64)
+    p[nbm.P_PER] = 1
+    p[nbm.P_HS] = p[nbm.P_TS] = p[nbm.P_CS] = 1
+    p[nbm.P_ROW] = spec.packed_head_dim(d)
+    if spec.is_passthrough:
+        p[nbm.P_KIND] = nbm.FLT
+        p[nbm.P_FK] = _FLOAT_KIND[want]
+        return p
+    if spec.dtype.is_fp8:
+        p[nbm.P_KIND] = nbm.E4M3 if spec.dtype is DType.FP8_E4M3 else nbm.E5M2
+    elif spec.dtype is DType.INT8:
+        p[nbm.P_KIND] = nbm.S8 if spec.symmetric else nbm.U8
+    else:
+        p[nbm.P_KIND] = nbm.U4 if spec.dtype is DType.INT4 else nbm.U2
+        p[nbm.P_PER] = 8 // spec.bits
+        p[nbm.P_OFF] = 0 if spec.has_zero else 2 ** (spec.bits - 1)
+    p[nbm.P_SKIND] = _SCALE_KIND[spec.scale_dtype]
+    p[nbm.P_ZKIND] = _SCALE_KIND[spec.zero_dtype] if spec.has_zero else nbm.SC_NONE
+    p[nbm.P_HS], p[nbm.P_TS], p[nbm.P_CS] = spec.scale_shape(h, b, d)
+    return p
+
+
+def _check_scales(spec: QuantSpec, kv: PagedKV, scale: torch.Tensor | None, zero: torch.Tensor | None, role: str):
+    shape = spec.scale_shape(kv.kv_heads, kv.block_size, kv.head_dim)
+    for name, t, dt in ((f"{role} scale", scale, spec.scale_dtype), (f"{role} zero", zero, spec.zero_dtype)):
+        needed = shape is not None and (name.endswith("scale") or spec.has_zero)
+        if not needed:
+            continue
+        if t is None:
+            raise ShapeError(f"{name} is missing: format {spec} stores one per {spec.granularity.name}")
+        if tuple(t.shape[1:]) != shape or t.dtype != scale_torch_dtype(dt):
+            raise ShapeError(
+                f"{name} must be [num_blocks, {', '.join(map(str, shape))}] {scale_torch_dtype(dt)}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+
+
+def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+    h, d = kv.kv_heads, kv.head_dim
+    if q.dim() != 3 or q.shape[0] != kv.batch or q.shape[2] != d or q.shape[1] % h:
+        raise ShapeError(f"q must be [batch={kv.batch}, Hq (a multiple of {h}), D={d}], got {tuple(q.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
+    want_tail = (kv.batch, h, kv.block_size, d)
+    if tuple(kv.tail_k.shape) != want_tail or tuple(kv.tail_v.shape) != want_tail:
+        raise ShapeError(f"tails must be {list(want_tail)}, got {tuple(kv.tail_k.shape)} / {tuple(kv.tail_v.shape)}")
+    if kv.block_tables.dtype != torch.int32 or kv.seq_lens.dtype != torch.int32:
+        raise ShapeError("block_tables and seq_lens must be torch.int32")
+    if kv.block_tables.dim() != 2 or kv.block_tables.shape[0] != kv.batch:
+        raise ShapeError(f"block_tables must be [batch={kv.batch}, max_blocks], got {tuple(kv.block_tables.shape)}")
+    if kv.start_pos is not None and (kv.start_pos.shape != (kv.batch,) or kv.start_pos.dtype != torch.int32):
+        raise ShapeError(f"start_pos must be [batch={kv.batch}] int32, got {tuple(kv.start_pos.shape)}")
+    _check_scales(kv.format.key, kv, kv.k_scale, kv.k_zero, "key")
+    _check_scales(kv.format.value, kv, kv.v_scale, kv.v_zero, "value")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused decode attention on the CPU, one query per sequence.
+
+    Args:
+        q: ``[batch, Hq, D]``, float32/float16/bfloat16; ``Hq`` a multiple of ``kv.kv_heads``.
+        kv: the layer's paged cache (the query's own token already appended).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        window: attend only the last ``window`` positions (the query's included); ``None`` for all.
+        out: optional ``[batch, Hq, D]`` buffer, dtype of ``q``.
+
+    Returns:
+        ``[batch, Hq, D]`` in ``q.dtype`` (``out`` when given).
+
+    Raises:
+        ShapeError: inconsistent shapes or dtypes, a block id outside the pools, an empty sequence.
+    """
+    _check(q, kv, out)
+    nbm = _nb()
+    d = kv.head_dim
+    b = kv.block_size
+    num_blocks = kv.k_data.shape[0]
+    kp = _params(kv.format.key, kv, kv.k_data, "key")
+    vp = _params(kv.format.value, kv, kv.v_data, "value")
+    if kv.v_data.shape[0] != num_blocks:
+        raise ShapeError(f"key and value pools differ in blocks: {num_blocks} vs {kv.v_data.shape[0]}")
+    tables = kv.block_tables.contiguous().numpy()
+    seq_lens = kv.seq_lens.contiguous().numpy()
+    if seq_lens.size and seq_lens.min() < 1:
+        raise ShapeError(f"every sequence needs at least one token (its query's own), got seq_lens {seq_lens.tolist()}")
+    if seq_lens.size and int(seq_lens.max()) // b > tables.shape[1]:
+        raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
+    if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
+        raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
+    start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
+    tpk, tpv = kp.copy(), vp.copy()
+    for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
+        tp[:] = 0
+        tp[nbm.P_KIND] = nbm.FLT
+        tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
+        tp[nbm.P_PER] = src[nbm.P_PER]
+        tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
+        tp[nbm.P_ROW] = d
+    win = -1 if window is None else int(window)
+    threads = max(1, torch.get_num_threads())
+    items, first = nbm.plan(
+        seq_lens, start, win, b, kv.kv_heads, _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // b)
+    )
+    qf = q.detach().float().contiguous().numpy()
+    g = q.shape[1] // kv.kv_heads
+    n = items.shape[0]
+    pm = np.empty((n, g), np.float32)
+    pl = np.empty((n, g), np.float32)
+    pacc = np.empty((n, g, d), np.float32)
+    sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    args = (
+        items,
+        qf,
+        _views(kv.k_data),
+        _views(kv.k_scale),
+        _views(kv.k_zero),
+        kp,
+        _views(kv.v_data),
+        _views(kv.v_scale),
+        _views(kv.v_zero),
+        vp,
+        _views(kv.tail_k),
+        _views(kv.tail_v),
+        tpk,
+        tpv,
+        tables,
+        seq_lens,
+        start,
+        win,
+        np.float32(sm * _LOG2E),
+        kv.kv_heads,
+        b,
+        pm,
+        pl,
+        pacc,
+    )
+    _run_sliced(nbm.work, items, threads, args)
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    res = out.numpy() if direct else np.empty(qf.shape, np.float32)
+    nbm.merge(first, kv.kv_heads, pm, pl, pacc, res)
+    if direct:
+        return out
+    result = torch.from_numpy(res)
+    if out is not None:
+        return out.copy_(result)
+    return result.to(q.dtype)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
+    """Run ``fn(i0, i1, *args)`` over contiguous slices of ``items`` of about equal cost, one per thread.
+
+    The compiled function releases the GIL, so the slices run in parallel; the calling thread takes the
+    first slice itself.
+    """
+    global _pool
+    n = items.shape[0]
+    if threads <= 1 or n <= 1:
+        fn(0, n, *args)
+        return
+    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1)
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, threads) / threads, side="right")
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < n)), n]
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads - 1:
+            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvpack-cpu")
+        pool = _pool
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1], *args) for i in range(1, len(bounds) - 1)]
+    fn(bounds[0], bounds[1], *args)
+    for f in futures:
+        f.result()
