@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import literally, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # payload kinds
@@ -86,6 +87,44 @@ def _as_f32(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Hint the cache to fetch the line holding ``arr[idx]`` (1-D array; never faults, never checked)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer2(context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+                                        strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
+                                        inds=[args[1]], wraparound=False)  # fmt: skip
+        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        name = "llvm.prefetch.p0" if str(ptr.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque or typed pointers
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
+
+
+@njit(_nrt=False)
+def _prefetch_rows(pay, kind, fk, base, rs, t, nt):
+    """Prefetch rows ``t .. t + nt - 1`` of a block (flat offset ``base + row * rs`` elements)."""
+    start = base + U64(t) * rs
+    n = U64(nt) * rs
+    if kind != FLT:
+        for off in range(U64(0), n, U64(64)):
+            _prefetch(pay[0], start + off)
+    elif fk == FK_F32:
+        for off in range(U64(0), n, U64(16)):
+            _prefetch(pay[2], start + off)
+    else:
+        for off in range(U64(0), n, U64(32)):
+            _prefetch(pay[1], start + off)
+
+
 @njit(fastmath=FASTMATH, _nrt=False)
 def _exp2(x):
     """2**x for float32 ``x <= 0`` (exactly 0 below 2**-126, so -inf gives 0); vectorizes."""
@@ -135,78 +174,78 @@ def _e4m3(b):
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
-def _decode_row(kind, p8, p16, p32, o, per, dp, fk, buf, r):
-    """Codes of the row at flat offset ``o`` as float32 into ``buf[r]``, in plane order (all of it).
+def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf):
+    """Codes of rows ``t .. t + nt - 1`` (flat offset ``base + row * rs``) as float32 into ``buf``
+    ``[TILE, D]``, plane order; tile rows past ``nt`` repeat the last row (valid numbers, weight 0 later).
 
-    Packed int4/int2 bytes are unpacked one plane per loop (constant shifts, one store stream each);
-    FLT rows (passthrough: tails and fp16/bf16/fp32 formats) are read in the plane order of ``per``.
+    Compiled once per payload kind. Packed int4/int2 bytes are unpacked one plane per loop (constant
+    shifts, one store stream each); FLT rows (passthrough: tails and fp16/bf16/fp32 formats) are read in
+    the plane order of ``per``.
     """
     literally(kind)
     ud = U64(dp)
-    if kind == S8:
-        for j in range(ud):
-            buf[r, j] = np.float32(np.int8(p8[o + j]))
-    elif kind == U8:
-        for j in range(ud):
-            buf[r, j] = np.float32(p8[o + j])
-    elif kind == E4M3:
-        for j in range(ud):
-            buf[r, j] = _e4m3(p8[o + j])
-    elif kind == E5M2:
-        for j in range(ud):
-            buf[r, j] = _half(np.int32(p8[o + j]) << np.int32(8))  # e5m2 is the top byte of an fp16
-    elif kind == U4:
-        for j in range(ud):
-            buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(15))
-        for j in range(ud):
-            buf[r, ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(4))
-    elif kind == U2:
-        for j in range(ud):
-            buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(3))
-        for j in range(ud):
-            buf[r, ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(2)) & np.int32(3))
-        for j in range(ud):
-            buf[r, U64(2) * ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(4)) & np.int32(3))
-        for j in range(ud):
-            buf[r, U64(3) * ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(6))
-    else:
-        pu = U64(per)
-        for k in range(per):
-            kb = U64(k) * ud
-            ku = U64(k)
-            if fk == FK_F16:
-                for j in range(ud):
-                    buf[r, kb + j] = _half(p16[o + pu * j + ku])
-            elif fk == FK_BF16:
-                for j in range(ud):
-                    buf[r, kb + j] = _bf16(p16[o + pu * j + ku])
-            else:
-                for j in range(ud):
-                    buf[r, kb + j] = p32[o + pu * j + ku]
+    for r in range(TILE):
+        o = base + U64(t + min(r, nt - 1)) * rs
+        if kind == S8:
+            for j in range(ud):
+                buf[r, j] = np.float32(np.int8(p8[o + j]))
+        elif kind == U8:
+            for j in range(ud):
+                buf[r, j] = np.float32(p8[o + j])
+        elif kind == E4M3:
+            for j in range(ud):
+                buf[r, j] = _e4m3(p8[o + j])
+        elif kind == E5M2:
+            for j in range(ud):
+                buf[r, j] = _half(np.int32(p8[o + j]) << np.int32(8))  # e5m2 is the top byte of an fp16
+        elif kind == U4:
+            for j in range(ud):
+                buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(15))
+            for j in range(ud):
+                buf[r, ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(4))
+        elif kind == U2:
+            for j in range(ud):
+                buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(3))
+            for j in range(ud):
+                buf[r, ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(2)) & np.int32(3))
+            for j in range(ud):
+                buf[r, U64(2) * ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(4)) & np.int32(3))
+            for j in range(ud):
+                buf[r, U64(3) * ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(6))
+        else:
+            pu = U64(per)
+            for k in range(per):
+                kb = U64(k) * ud
+                ku = U64(k)
+                if fk == FK_F16:
+                    for j in range(ud):
+                        buf[r, kb + j] = _half(p16[o + pu * j + ku])
+                elif fk == FK_BF16:
+                    for j in range(ud):
+                        buf[r, kb + j] = _bf16(p16[o + pu * j + ku])
+                else:
+                    for j in range(ud):
+                        buf[r, kb + j] = p32[o + pu * j + ku]
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
 def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, buf):
-    """Rows ``t .. t + nt - 1`` (flat offset ``base + row * rs``) into ``buf`` ``[TILE, D]`` float32; the
-    rows past ``nt`` repeat the last one, so every tile row holds valid numbers. The one place a payload
-    kind picks its compiled decoder."""
+    """:func:`_decode_rows` for a runtime ``kind`` (the one place a payload kind picks its decoder)."""
     p8, p16, p32 = pay
-    for r in range(TILE):
-        o = base + U64(t + min(r, nt - 1)) * rs
-        if kind == S8:
-            _decode_row(S8, p8, p16, p32, o, per, dp, fk, buf, r)
-        elif kind == U8:
-            _decode_row(U8, p8, p16, p32, o, per, dp, fk, buf, r)
-        elif kind == U4:
-            _decode_row(U4, p8, p16, p32, o, per, dp, fk, buf, r)
-        elif kind == U2:
-            _decode_row(U2, p8, p16, p32, o, per, dp, fk, buf, r)
-        elif kind == E4M3:
-            _decode_row(E4M3, p8, p16, p32, o, per, dp, fk, buf, r)
-        elif kind == E5M2:
-            _decode_row(E5M2, p8, p16, p32, o, per, dp, fk, buf, r)
-        else:
-            _decode_row(FLT, p8, p16, p32, o, per, dp, fk, buf, r)
+    if kind == S8:
+        _decode_rows(S8, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    elif kind == U8:
+        _decode_rows(U8, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    elif kind == U4:
+        _decode_rows(U4, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    elif kind == U2:
+        _decode_rows(U2, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    elif kind == E4M3:
+        _decode_rows(E4M3, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    elif kind == E5M2:
+        _decode_rows(E5M2, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+    else:
+        _decode_rows(FLT, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
@@ -256,19 +295,19 @@ def _kdot4(buf, r0, nt, qf, out, t, mx):
 
 
 @njit(_nrt=False)
-def _w8(w, g, g_n, t, nt):
-    """The weights ``w[g, t:t + 8]`` of one head, zero past ``nt`` rows or past the last head."""
+def _w8(w, g, grp, g_n, t, nt):
+    """Weights ``w[g, grp, t:t + 8]`` of one head, zero past ``nt`` rows or past the last head."""
     if g >= g_n:
-        return (_ZERO,) * 8
+        return (_ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO)
     return (
-        w[g, t],
-        w[g, t + 1] if nt > 1 else _ZERO,
-        w[g, t + 2] if nt > 2 else _ZERO,
-        w[g, t + 3] if nt > 3 else _ZERO,
-        w[g, t + 4] if nt > 4 else _ZERO,
-        w[g, t + 5] if nt > 5 else _ZERO,
-        w[g, t + 6] if nt > 6 else _ZERO,
-        w[g, t + 7] if nt > 7 else _ZERO,
+        w[g, grp, t],
+        w[g, grp, t + 1] if nt > 1 else _ZERO,
+        w[g, grp, t + 2] if nt > 2 else _ZERO,
+        w[g, grp, t + 3] if nt > 3 else _ZERO,
+        w[g, grp, t + 4] if nt > 4 else _ZERO,
+        w[g, grp, t + 5] if nt > 5 else _ZERO,
+        w[g, grp, t + 6] if nt > 6 else _ZERO,
+        w[g, grp, t + 7] if nt > 7 else _ZERO,
     )
 
 
@@ -280,37 +319,43 @@ def _dot8(wt, x0, x1, x2, x3, x4, x5, x6, x7):
     )
 
 
-@njit(fastmath=FASTMATH_TREE, _nrt=False)
-def _vacc8(buf, nt, w, t, acc, g_n):
-    """``acc[g, i] += sum_{r < nt} w[g, t + r] * buf[r, i]`` for heads ``g < g_n``.
+@njit(fastmath=FASTMATH, _nrt=False)
+def _vacc8(buf, nt, w, t, acc, g_n, per, dp, cs):
+    """``acc[g, i] += sum_{r < nt} w[g, grp(i), t + r] * buf[r, i]`` for heads ``g < g_n``.
 
-    buf: ``[TILE, D]`` decoded codes (rows past ``nt`` repeat a valid row and get weight 0); w: ``[G, *]``;
-    acc: ``[G4, D]`` (G rounded up to 4; the padding rows are scratch), four heads per pass over the tile.
-    Compiled without reassociation so the eight products stay a tree instead of one long chain.
+    buf: ``[TILE, D]`` decoded codes in plane order (rows past ``nt`` repeat a valid row and get weight
+    0); w: ``[G, cs, B]`` weights, per value scale group ``grp`` (``cs`` groups along a row, 1 when the
+    scale is per token or per block, whose scale is then already folded in); acc: ``[G4, D]`` (G rounded
+    up to 4; the padding rows are scratch). Four heads are updated per pass over the tile; a group is
+    ``span`` consecutive bytes of each of the ``per`` planes.
     """
-    d = U64(buf.shape[1])
+    span = U64(dp // cs)
     for g0 in range(0, g_n, 4):
-        wa = _w8(w, g0, g_n, t, nt)
-        wb = _w8(w, g0 + 1, g_n, t, nt)
-        wc = _w8(w, g0 + 2, g_n, t, nt)
-        wd = _w8(w, g0 + 3, g_n, t, nt)
         aa = acc[g0]
         ab = acc[g0 + 1]
         ac = acc[g0 + 2]
         ad = acc[g0 + 3]
-        for i in range(d):
-            x0 = buf[0, i]
-            x1 = buf[1, i]
-            x2 = buf[2, i]
-            x3 = buf[3, i]
-            x4 = buf[4, i]
-            x5 = buf[5, i]
-            x6 = buf[6, i]
-            x7 = buf[7, i]
-            aa[i] += _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7)
-            ab[i] += _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7)
-            ac[i] += _dot8(wc, x0, x1, x2, x3, x4, x5, x6, x7)
-            ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
+        for grp in range(cs):
+            wa = _w8(w, g0, grp, g_n, t, nt)
+            wb = _w8(w, g0 + 1, grp, g_n, t, nt)
+            wc = _w8(w, g0 + 2, grp, g_n, t, nt)
+            wd = _w8(w, g0 + 3, grp, g_n, t, nt)
+            for k in range(per):
+                base = U64(k * dp) + U64(grp) * span
+                for j in range(span):
+                    i = base + j
+                    x0 = buf[0, i]
+                    x1 = buf[1, i]
+                    x2 = buf[2, i]
+                    x3 = buf[3, i]
+                    x4 = buf[4, i]
+                    x5 = buf[5, i]
+                    x6 = buf[6, i]
+                    x7 = buf[7, i]
+                    aa[i] += _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7)
+                    ab[i] += _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7)
+                    ac[i] += _dot8(wc, x0, x1, x2, x3, x4, x5, x6, x7)
+                    ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
@@ -407,6 +452,10 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             continue
         t0 = max(lo - pos0, 0)
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
+        # the next block is fetched while this one is computed (block ids are random: no hardware prefetch)
+        nxt = np.int64(tables[b, j + 1]) if (not tail and j + 1 < j1) else np.int64(0)
+        knext = U64(nxt * kv_heads + h) * U64(bs) * krs
+        vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs
         # ---- keys -> base-2 logits sc[g, t] + kc[g]
         kbase = U64(idx * kv_heads + h) * U64(bs) * krs
         qsrc = qp
@@ -447,6 +496,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         for t in range(t0, t1, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], buf)
+            if nxt:
+                _prefetch_rows(kpay, kp[P_KIND], kp[P_FK], knext, krs, t, nt)
             if grouped and kcs > 1:
                 _scale_tile(buf, nt, sxk, t, True)
             _kdot4(buf, 0, nt, qsrc, sc, t, mxb)
@@ -506,19 +557,26 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
                         for t in range(u0, u1):
                             zsum += sc[g, t] * zz
                     zacc[g, grp] += zsum
-            if vcs == 1:  # one scale per token (or per block): fold it into the weights now
+            for grp in range(vcs):  # the value scale of each token (and group) goes into its weight
+                ug = U64(grp)
                 for g in range(g_n):
-                    for t in range(u0, u1):
-                        w[g, t] = sc[g, t] * sv[t if vts > 1 else U64(0)]
-            else:  # scales along the row (groups or channels): applied to the decoded tile
-                _expand(sv, vcs, t0 if vts > 1 else 0, t1 if vts > 1 else 1, vper, vdp, vspan, sxv)
-        wsrc = w if (vskind != SC_NONE and vcs == 1) else sc
+                    if vts > 1:
+                        for t in range(u0, u1):
+                            w[g, grp, t] = sc[g, t] * sv[t * U64(vcs) + ug]
+                    else:
+                        s0 = sv[grp]
+                        for t in range(u0, u1):
+                            w[g, grp, t] = sc[g, t] * s0
+        else:
+            for g in range(g_n):
+                for t in range(u0, u1):
+                    w[g, 0, t] = sc[g, t]
         for t in range(t0, t1, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], buf)
-            if vskind != SC_NONE and vcs > 1:
-                _scale_tile(buf, nt, sxv, t, vts > 1)
-            _vacc8(buf, nt, wsrc, t, acc, g_n)
+            if nxt:
+                _prefetch_rows(vpay, vp[P_KIND], vp[P_FK], vnext, vrs, t, nt)
+            _vacc8(buf, nt, w, t, acc, g_n, vper, vdp, vcs if vskind != SC_NONE else 1)
 
 
 @njit(cache=True)
@@ -601,12 +659,12 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
     lsum = np.empty(g_n, np.float32)
     acc = np.empty((g4, d), np.float32)
     zacc = np.empty((g_n, nvg), np.float32)
-    st = (qp, qsum, m, lsum, acc, zacc, np.empty((g_n, bs), np.float32), np.empty((g_n, bs), np.float32),
+    st = (qp, qsum, m, lsum, acc, zacc, np.empty((g_n, bs), np.float32), np.empty((g_n, nvg, bs), np.float32),
           np.empty(g_n, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(d, np.float32), np.empty(d, np.float32),
           np.empty((TILE, d), np.float32), np.empty((bs if nkg > 1 else 1, d), np.float32),
-          np.empty((bs if nvg > 1 else 1, d), np.float32))  # fmt: skip
+          np.empty((1, d), np.float32))  # fmt: skip
     for it in range(i0, i1):
         b = items[it, 0]
         h = items[it, 1]
