@@ -1,0 +1,114 @@
+"""The fused CPU decode kernel against the torch reference on fresh random, poisoned, shuffled caches."""
+
+import warnings
+
+import pytest
+import torch
+
+from kvpack.errors import KVPackError, UnsupportedError
+from kvpack.formats import PRESETS, parse_format
+from kvpack.kernels import backend_reasons, decode_attention
+from kvpack.kernels import reference as ref
+from kvpack.kernels.views import PagedKV
+from kvpack.testing import assert_close, random_paged_kv
+
+pytest.importorskip("numba")
+
+ATOL, RTOL = 2e-4, 2e-3  # fp32 queries, fp32 accumulation on both sides
+
+
+def _run(kv: PagedKV, q: torch.Tensor, window=None):
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    got = decode_attention(q, kv, window=window, backend="cpu", out=out)
+    expected = ref.decode_attention(q, kv, None, window, None)
+    return got, expected
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("block", [16, 64])
+def test_every_preset_matches_reference(name, block):
+    fmt = PRESETS[name].with_block_size(block)
+    lens = [1, block - 1, block + 1, 3 * block + 5]
+    kv, _, _ = random_paged_kv(fmt, lens, kv_heads=2, head_dim=64, seed=block)
+    q = torch.randn(len(lens), 8, 64)
+    got, expected = _run(kv, q)
+    assert_close(got, expected, ATOL, RTOL, f"{name} block {block}")
+
+
+@pytest.mark.parametrize(
+    ("name", "group", "head_dim"),
+    [("int8", 1, 128), ("int4", 3, 64), ("kivi2", 4, 256), ("fp8", 8, 128), ("k8v4", 4, 128)],
+)
+def test_gqa_ratios_and_head_dims(name, group, head_dim):
+    kv_heads = 2
+    fmt = PRESETS[name].with_block_size(32)
+    kv, _, _ = random_paged_kv(fmt, [33, 200, 7], kv_heads=kv_heads, head_dim=head_dim, seed=group)
+    q = torch.randn(3, kv_heads * group, head_dim)
+    got, expected = _run(kv, q)
+    assert_close(got, expected, ATOL, RTOL, f"{name} gqa {group} head_dim {head_dim}")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi2"])
+def test_sliding_window_and_left_padding(name):
+    fmt = PRESETS[name].with_block_size(16)
+    kv, _, _ = random_paged_kv(fmt, [5, 70, 130], kv_heads=2, head_dim=64, seed=3)
+    q = torch.randn(3, 4, 64)
+    got, expected = _run(kv, q, window=40)
+    assert_close(got, expected, ATOL, RTOL, f"{name} window")
+    padded = PagedKV(**{**kv.__dict__, "start_pos": torch.tensor([2, 30, 0], dtype=torch.int32)})
+    got, expected = _run(padded, q)
+    assert_close(got, expected, ATOL, RTOL, f"{name} start_pos")
+
+
+def test_long_sequence_split_across_threads_matches():
+    # long enough that the kernel splits the history into chunks merged by log-sum-exp
+    fmt = PRESETS["int8"]
+    kv, _, _ = random_paged_kv(fmt, [4096 + 17], kv_heads=1, head_dim=64, seed=9)
+    q = torch.randn(1, 4, 64)
+    got, expected = _run(kv, q)
+    assert_close(got, expected, ATOL, RTOL, "split")
+
+
+def test_custom_formats_and_scale_dtypes():
+    for text in ("k=int8:channel:e8m0,v=int8:token:fp32", "k=int4:g32:sym:bf16,v=int4:head:asym:fp32,block=32"):
+        fmt = parse_format(text)
+        kv, _, _ = random_paged_kv(fmt, [fmt.block_size * 2 + 3, 9], kv_heads=2, head_dim=64, seed=1)
+        q = torch.randn(2, 4, 64)
+        if backend_reasons("cpu", q, kv):
+            continue  # the fallback path is tested below
+        got, expected = _run(kv, q)
+        assert_close(got, expected, ATOL, RTOL, text)
+
+
+def test_bf16_queries_within_bf16_tolerance():
+    kv, _, _ = random_paged_kv(PRESETS["int8"], [150, 64], kv_heads=2, head_dim=64, seed=4)
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    out = decode_attention(q, kv, backend="cpu")
+    assert out.dtype == torch.bfloat16
+    expected = ref.decode_attention(q.float(), kv, None, None, None)
+    assert_close(out.float(), expected, 2e-2, 2e-2, "bf16")
+
+
+def test_bad_shape_is_a_typed_error():
+    kv, _, _ = random_paged_kv(PRESETS["int8"], [20], kv_heads=2, head_dim=64)
+    with pytest.raises(KVPackError):
+        decode_attention(torch.randn(1, 3, 64), kv, backend="cpu")  # 3 query heads over 2 kv heads
+    with pytest.raises(KVPackError):
+        decode_attention(torch.randn(2, 4, 64), kv, backend="cpu")  # batch 2 for 1 sequence
+
+
+def test_unsupported_case_falls_back_with_one_warning_naming_why():
+    fmt = parse_format("k=int4:channel:asym,v=int8:token,block=16")
+    kv, _, _ = random_paged_kv(fmt, [40], kv_heads=1, head_dim=65)  # odd head_dim: int4 rows do not pack evenly
+    q = torch.randn(1, 2, 65)
+    reasons = backend_reasons("cpu", q, kv)
+    assert reasons and all(isinstance(r, str) for r in reasons)
+    with pytest.raises(UnsupportedError) as e:
+        decode_attention(q, kv, backend="cpu")
+    assert e.value.reasons == reasons
+    with pytest.warns(RuntimeWarning, match="reference"):
+        out = decode_attention(q, kv)
+    assert_close(out, ref.decode_attention(q, kv, None, None, None), 1e-6, 1e-6, "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reasons do not warn twice
+        decode_attention(q, kv)
