@@ -106,3 +106,8 @@ def test_config_errors_name_every_problem():
     msg = str(e.value)
     for part in ("baseline 'fp16'", "at least 64", "[0, 1]", "riddle"):
         assert part in msg
+
+
+def test_verdict_names_a_single_length_as_such():
+    one = compare_needles([case(8000, 0.5, "number", fp16=True, a=True)], "a", "fp16")
+    assert "identical needle accuracy at 8000 (1/1)" in verdict("a", one, None, 8000)["text"]

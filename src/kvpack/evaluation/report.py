@@ -118,21 +118,27 @@ def _plots(results: dict[str, Any]) -> dict[str, str]:
         fig.tight_layout()
         out["needle_heatmaps"] = _png(fig)
 
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        base = results["config"]["baseline"]
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.5))
         for name in formats:
-            acc = [
-                sum(c["correct"][name] for c in cases if c["length"] == n)
-                / max(1, sum(c["length"] == n for c in cases))
-                for n in lengths
-            ]
+            acc, kept = [], []
+            for n in lengths:
+                sel = [c for c in cases if c["length"] == n]
+                found = [c for c in sel if c["correct"].get(base)]
+                acc.append(sum(c["correct"][name] for c in sel) / max(1, len(sel)))
+                kept.append(sum(c["correct"][name] for c in found) / len(found) if found else float("nan"))
             ax.plot(lengths, acc, marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [fmt_tokens(n) for n in lengths])
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("context length (tokens)")
+            ax2.plot(lengths, kept, marker="o", label=name)
+        for a in (ax, ax2):
+            a.set_xscale("log", base=2)
+            a.set_xticks(lengths, [fmt_tokens(n) for n in lengths])
+            a.minorticks_off()
+            a.set_ylim(-0.05, 1.05)
+            a.set_xlabel("context length (tokens)")
         ax.set_ylabel("needle accuracy")
-        ax.set_title("Needle accuracy vs context length")
-        ax.legend(fontsize=7, ncol=2)
+        ax.set_title("Needle accuracy vs context length (absolute)")
+        ax2.set_title(f"Needles kept, of those {base} found")
+        ax2.legend(fontsize=7, ncol=2)
         out["needle_vs_length"] = _png(fig)
 
     fid = results.get("fidelity", {}).get("variants", {})

@@ -112,7 +112,10 @@ def verdict(
             text += f" ({kl_note} against full precision)"
         return {"status": "baseline", "text": text}
     status = "ok"
-    upto = f" up to {fmt_tokens(max_length)}" if max_length else ""
+    upto = ""
+    if max_length:
+        single = needles is not None and len(needles["by_length"]) == 1
+        upto = f" {'at' if single else 'up to'} {fmt_tokens(max_length)}"
     if needles is not None:
         if needles["lost"]:
             status = "fails"
