@@ -9,6 +9,7 @@ scale dtype (fp32, fp16, bf16, E8M0) and any granularity.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,11 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 # Shortest stretch of history one work item handles: below this, splitting costs more than it saves.
 MIN_CHUNK_TOKENS = 512
-# Work items per thread: enough to balance mixed lengths under numba's static scheduling.
+# Work items per thread, and slices of them per thread taken dynamically (balance under load).
 _ITEMS_PER_THREAD = 4
+_CHUNKS_PER_THREAD = 4
+# Below this many blocks of work a call stays on the calling thread (a hand-off costs ~20 us).
+_SERIAL_BLOCKS = 64
 
 
 @lru_cache(maxsize=1)
@@ -274,24 +278,34 @@ _pool_lock = threading.Lock()
 
 
 def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
-    """Run ``fn(i0, i1, *args)`` over contiguous slices of ``items`` of about equal cost, one per thread.
+    """Run ``fn(i0, i1, *args)`` over contiguous slices of ``items``, in parallel.
 
-    The compiled function releases the GIL, so the slices run in parallel; the calling thread takes the
-    first slice itself.
+    The compiled function releases the GIL. The items are cut into about ``_CHUNKS_PER_THREAD`` slices of
+    equal cost per thread, which the threads (the caller's included) take from a shared counter: a core
+    that is busy with something else simply takes fewer slices. Small calls run on the calling thread.
     """
     global _pool
     n = items.shape[0]
-    if threads <= 1 or n <= 1:
+    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1)
+    if threads <= 1 or n <= 1 or cost[-1] < _SERIAL_BLOCKS:
         fn(0, n, *args)
         return
-    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1)
-    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, threads) / threads, side="right")
-    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < n)), n]
+    slices = min(n, threads * _CHUNKS_PER_THREAD)
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, slices) / slices, side="right")
+    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < n}), n]
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:
             _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvpack-cpu")
         pool = _pool
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1], *args) for i in range(1, len(bounds) - 1)]
-    fn(bounds[0], bounds[1], *args)
+    counter = itertools.count()  # next() is atomic under the GIL
+
+    def worker() -> None:
+        for i in counter:
+            if i >= len(bounds) - 1:
+                return
+            fn(bounds[i], bounds[i + 1], *args)
+
+    futures = [pool.submit(worker) for _ in range(min(threads, len(bounds) - 1) - 1)]
+    worker()
     for f in futures:
         f.result()

@@ -125,6 +125,20 @@ def _prefetch_rows(pay, kind, fk, base, rs, t, nt):
             _prefetch(pay[1], start + off)
 
 
+@njit(_nrt=False)
+def _prefetch_scales(arrs, kind, o, n):
+    """Prefetch ``n`` stored scales (or zero-points) at flat offset ``o``."""
+    if kind == SC_F32:
+        for off in range(U64(0), U64(n), U64(16)):
+            _prefetch(arrs[2], o + off)
+    elif kind == SC_F16 or kind == SC_BF16:
+        for off in range(U64(0), U64(n), U64(32)):
+            _prefetch(arrs[1], o + off)
+    elif kind == SC_E8M0:
+        for off in range(U64(0), U64(n), U64(64)):
+            _prefetch(arrs[0], o + off)
+
+
 @njit(fastmath=FASTMATH, _nrt=False)
 def _exp2(x):
     """2**x for float32 ``x <= 0`` (exactly 0 below 2**-126, so -inf gives 0); vectorizes."""
@@ -142,16 +156,16 @@ def _exp2(x):
 
 @njit(_nrt=False)
 def _half(h):
-    """IEEE fp16 bits (any int holding 16 bits) to float32."""
+    """IEEE fp16 bits (any int holding 16 bits) to float32; branch-free, so loops over it vectorize."""
     hi = np.int32(h)
     sign = np.int32(hi & np.int32(0x8000)) << np.int32(16)
     em = np.int32(hi & np.int32(0x7FFF))
-    if em >= 0x7C00:  # inf / nan
-        return _as_f32(sign | np.int32(0x7F800000) | (np.int32(em & np.int32(0x3FF)) << np.int32(13)))
-    if em < 0x0400:  # zero / subnormal: em * 2**-24
-        v = np.float32(em) * _TWO_M24
-        return -v if sign else v
-    return _as_f32(sign | np.int32((em << np.int32(13)) + np.int32(112 << 23)))
+    normal = _as_f32(sign | np.int32((em << np.int32(13)) + np.int32(112 << 23)))
+    sub = np.float32(em) * _TWO_M24  # zero / subnormal: em * 2**-24
+    sub = -sub if sign else sub
+    special = _as_f32(sign | np.int32(0x7F800000) | (np.int32(em & np.int32(0x3FF)) << np.int32(13)))
+    r = sub if em < 0x0400 else normal
+    return special if em >= 0x7C00 else r
 
 
 @njit(_nrt=False)
@@ -174,44 +188,67 @@ def _e4m3(b):
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
-def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf):
+def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf):
     """Codes of rows ``t .. t + nt - 1`` (flat offset ``base + row * rs``) as float32 into ``buf``
     ``[TILE, D]``, plane order; tile rows past ``nt`` repeat the last row (valid numbers, weight 0 later).
 
-    Compiled once per payload kind. Packed int4/int2 bytes are unpacked one plane per loop (constant
-    shifts, one store stream each); FLT rows (passthrough: tails and fp16/bf16/fp32 formats) are read in
-    the plane order of ``per``.
+    With ``cs > 0`` the codes are multiplied by scales that vary along the row (value groups, key groups,
+    per-channel values): ``sv[grp * svt + token]`` (``svt`` 1 when they do not depend on the token), ``cs``
+    groups of ``dp // cs`` consecutive bytes of every plane; ``sx`` ``[dp]`` is scratch for one token's
+    scale per byte. Compiled once per payload kind. Packed int4/int2 bytes are unpacked one plane per loop
+    (constant shifts, one store stream each); FLT rows (passthrough: tails and fp16/bf16/fp32 formats) are
+    read in the plane order of ``per`` and never scaled.
     """
     literally(kind)
     ud = U64(dp)
+    scaled = cs > 0
+    span = U64(dp // cs) if scaled else U64(0)
     for r in range(TILE):
-        o = base + U64(t + min(r, nt - 1)) * rs
+        row = t + min(r, nt - 1)
+        o = base + U64(row) * rs
+        if scaled and kind != FLT:
+            tok = row if svt > 1 else 0
+            for grp in range(cs):
+                v = sv[grp * svt + tok]
+                gb = U64(grp) * span
+                for j in range(span):
+                    sx[gb + j] = v
         if kind == S8:
             for j in range(ud):
-                buf[r, j] = np.float32(np.int8(p8[o + j]))
+                c = np.float32(np.int8(p8[o + j]))
+                buf[r, j] = c * sx[j] if scaled else c
         elif kind == U8:
             for j in range(ud):
-                buf[r, j] = np.float32(p8[o + j])
+                c = np.float32(p8[o + j])
+                buf[r, j] = c * sx[j] if scaled else c
         elif kind == E4M3:
             for j in range(ud):
-                buf[r, j] = _e4m3(p8[o + j])
+                c = _e4m3(p8[o + j])
+                buf[r, j] = c * sx[j] if scaled else c
         elif kind == E5M2:
             for j in range(ud):
-                buf[r, j] = _half(np.int32(p8[o + j]) << np.int32(8))  # e5m2 is the top byte of an fp16
+                c = _half(np.int32(p8[o + j]) << np.int32(8))  # e5m2 is the top byte of an fp16
+                buf[r, j] = c * sx[j] if scaled else c
         elif kind == U4:
             for j in range(ud):
-                buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(15))
+                c = np.float32(np.int32(p8[o + j]) & np.int32(15))
+                buf[r, j] = c * sx[j] if scaled else c
             for j in range(ud):
-                buf[r, ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(4))
+                c = np.float32(np.int32(p8[o + j]) >> np.int32(4))
+                buf[r, ud + j] = c * sx[j] if scaled else c
         elif kind == U2:
             for j in range(ud):
-                buf[r, j] = np.float32(np.int32(p8[o + j]) & np.int32(3))
+                c = np.float32(np.int32(p8[o + j]) & np.int32(3))
+                buf[r, j] = c * sx[j] if scaled else c
             for j in range(ud):
-                buf[r, ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(2)) & np.int32(3))
+                c = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(2)) & np.int32(3))
+                buf[r, ud + j] = c * sx[j] if scaled else c
             for j in range(ud):
-                buf[r, U64(2) * ud + j] = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(4)) & np.int32(3))
+                c = np.float32(np.int32(np.int32(p8[o + j]) >> np.int32(4)) & np.int32(3))
+                buf[r, U64(2) * ud + j] = c * sx[j] if scaled else c
             for j in range(ud):
-                buf[r, U64(3) * ud + j] = np.float32(np.int32(p8[o + j]) >> np.int32(6))
+                c = np.float32(np.int32(p8[o + j]) >> np.int32(6))
+                buf[r, U64(3) * ud + j] = c * sx[j] if scaled else c
         else:
             pu = U64(per)
             for k in range(per):
@@ -229,23 +266,23 @@ def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf):
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
-def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, buf):
+def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf):
     """:func:`_decode_rows` for a runtime ``kind`` (the one place a payload kind picks its decoder)."""
     p8, p16, p32 = pay
     if kind == S8:
-        _decode_rows(S8, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(S8, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == U8:
-        _decode_rows(U8, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(U8, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == U4:
-        _decode_rows(U4, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(U4, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == U2:
-        _decode_rows(U2, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(U2, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == E4M3:
-        _decode_rows(E4M3, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(E4M3, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == E5M2:
-        _decode_rows(E5M2, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(E5M2, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     else:
-        _decode_rows(FLT, p8, p16, p32, base, rs, t, nt, per, dp, fk, buf)
+        _decode_rows(FLT, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
@@ -295,19 +332,19 @@ def _kdot4(buf, r0, nt, qf, out, t, mx):
 
 
 @njit(_nrt=False)
-def _w8(w, g, grp, g_n, t, nt):
-    """Weights ``w[g, grp, t:t + 8]`` of one head, zero past ``nt`` rows or past the last head."""
+def _w8(w, g, g_n, t, nt):
+    """Weights ``w[g, t:t + 8]`` of one head, zero past ``nt`` rows or past the last head."""
     if g >= g_n:
         return (_ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO)
     return (
-        w[g, grp, t],
-        w[g, grp, t + 1] if nt > 1 else _ZERO,
-        w[g, grp, t + 2] if nt > 2 else _ZERO,
-        w[g, grp, t + 3] if nt > 3 else _ZERO,
-        w[g, grp, t + 4] if nt > 4 else _ZERO,
-        w[g, grp, t + 5] if nt > 5 else _ZERO,
-        w[g, grp, t + 6] if nt > 6 else _ZERO,
-        w[g, grp, t + 7] if nt > 7 else _ZERO,
+        w[g, t],
+        w[g, t + 1] if nt > 1 else _ZERO,
+        w[g, t + 2] if nt > 2 else _ZERO,
+        w[g, t + 3] if nt > 3 else _ZERO,
+        w[g, t + 4] if nt > 4 else _ZERO,
+        w[g, t + 5] if nt > 5 else _ZERO,
+        w[g, t + 6] if nt > 6 else _ZERO,
+        w[g, t + 7] if nt > 7 else _ZERO,
     )
 
 
@@ -320,67 +357,36 @@ def _dot8(wt, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
-def _vacc8(buf, nt, w, t, acc, g_n, per, dp, cs):
-    """``acc[g, i] += sum_{r < nt} w[g, grp(i), t + r] * buf[r, i]`` for heads ``g < g_n``.
+def _vacc8(buf, nt, w, t, acc, g_n):
+    """``acc[g, i] += sum_{r < nt} w[g, t + r] * buf[r, i]`` for heads ``g < g_n``.
 
-    buf: ``[TILE, D]`` decoded codes in plane order (rows past ``nt`` repeat a valid row and get weight
-    0); w: ``[G, cs, B]`` weights, per value scale group ``grp`` (``cs`` groups along a row, 1 when the
-    scale is per token or per block, whose scale is then already folded in); acc: ``[G4, D]`` (G rounded
-    up to 4; the padding rows are scratch). Four heads are updated per pass over the tile; a group is
-    ``span`` consecutive bytes of each of the ``per`` planes.
+    buf: ``[TILE, D]`` decoded rows (rows past ``nt`` repeat a valid row and get weight 0); w: ``[G, B]``;
+    acc: ``[G4, D]`` (G rounded up to 4; the padding rows are scratch). Four heads are updated per pass
+    over the tile, eight rows per load/store of the accumulator.
     """
-    span = U64(dp // cs)
+    d = U64(buf.shape[1])
     for g0 in range(0, g_n, 4):
+        wa = _w8(w, g0, g_n, t, nt)
+        wb = _w8(w, g0 + 1, g_n, t, nt)
+        wc = _w8(w, g0 + 2, g_n, t, nt)
+        wd = _w8(w, g0 + 3, g_n, t, nt)
         aa = acc[g0]
         ab = acc[g0 + 1]
         ac = acc[g0 + 2]
         ad = acc[g0 + 3]
-        for grp in range(cs):
-            wa = _w8(w, g0, grp, g_n, t, nt)
-            wb = _w8(w, g0 + 1, grp, g_n, t, nt)
-            wc = _w8(w, g0 + 2, grp, g_n, t, nt)
-            wd = _w8(w, g0 + 3, grp, g_n, t, nt)
-            for k in range(per):
-                base = U64(k * dp) + U64(grp) * span
-                for j in range(span):
-                    i = base + j
-                    x0 = buf[0, i]
-                    x1 = buf[1, i]
-                    x2 = buf[2, i]
-                    x3 = buf[3, i]
-                    x4 = buf[4, i]
-                    x5 = buf[5, i]
-                    x6 = buf[6, i]
-                    x7 = buf[7, i]
-                    aa[i] += _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7)
-                    ab[i] += _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7)
-                    ac[i] += _dot8(wc, x0, x1, x2, x3, x4, x5, x6, x7)
-                    ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
-
-
-@njit(fastmath=FASTMATH, _nrt=False)
-def _expand(sv, cs, t0, t1, per, dp, span, out):
-    """``out[t, i]`` = the scale of plane-order column ``i`` of token ``t`` (``sv[t * cs + group]``),
-    for ``t`` in ``[t0, t1)``: scales that vary along a row, ready to multiply a decoded tile.
-    A group of ``per * span`` channels is ``span`` consecutive bytes of every plane."""
-    us = U64(span)
-    for t in range(t0, t1):
-        for k in range(per):
-            for grp in range(cs):
-                s = sv[t * cs + grp]
-                base = U64(k * dp + grp * span)
-                for j in range(us):
-                    out[t, base + j] = s
-
-
-@njit(fastmath=FASTMATH, _nrt=False)
-def _scale_tile(buf, nt, sx, t, per_token):
-    """``buf[r] *= sx[t + r]`` (or ``sx[0]`` when the scales do not depend on the token), rows ``r < nt``."""
-    d = U64(buf.shape[1])
-    for r in range(nt):
-        row = t + r if per_token else 0
         for i in range(d):
-            buf[r, i] *= sx[row, i]
+            x0 = buf[0, i]
+            x1 = buf[1, i]
+            x2 = buf[2, i]
+            x3 = buf[3, i]
+            x4 = buf[4, i]
+            x5 = buf[5, i]
+            x6 = buf[6, i]
+            x7 = buf[7, i]
+            aa[i] += _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7)
+            ab[i] += _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7)
+            ac[i] += _dot8(wc, x0, x1, x2, x3, x4, x5, x6, x7)
+            ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
@@ -409,20 +415,34 @@ def _scales(arrs, kind, o, n, out):
 
 
 @njit(fastmath=FASTMATH, _nrt=False)
+def _scales_t(arrs, kind, o, nt, cs, tmp, out):
+    """The ``[nt, cs]`` slab of scales at flat offset ``o``, transposed: ``out[grp * nt + t]`` (float32),
+    so loops over the tokens of one group run with unit stride. ``tmp``: scratch of ``nt * cs``."""
+    _scales(arrs, kind, o, nt * cs, tmp)
+    if cs == 1:
+        for t in range(nt):
+            out[t] = tmp[t]
+        return
+    for t in range(nt):
+        for grp in range(cs):
+            out[grp * nt + t] = tmp[t * cs + grp]
+
+
+@njit(fastmath=FASTMATH, _nrt=False)
 def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, lo, tail, h, kv_heads, bs, st):
     """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only.
 
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
     tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; for the tail, kpay/vpay are the tails'
     views and kp/vp their passthrough specs, and the "block" is indexed by ``b``. kp/vp: spec parameters;
-    ``st`` = (qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sxk, sxv):
+    ``st`` = (qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx):
     qp ``[G4, D]`` the query in the keys' plane order, pre-scaled by ``sm_scale * log2(e)`` (G rounded up to
     a multiple of 4, padding rows zero); qsum
     ``[G, nkg]`` its sums per key scale group; m, lsum ``[G]`` running max (base 2) and sum; acc ``[G, D]``
     in the values' plane order; zacc ``[G, nvg]`` zero-point / offset terms per value group; buf
-    ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; sxk/sxv ``[B, D]`` scales expanded along rows; the rest is scratch.
+    ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; the rest is scratch.
     """
-    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sxk, sxv = st
+    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx = st
     g_n, d = sc.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
     vper, vskind, vts, vcs = vp[P_PER], vp[P_SKIND], vp[P_TS], vp[P_CS]
@@ -435,8 +455,6 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
     krs = U64(kp[P_ROW])
     vrs = U64(vp[P_ROW])
     grouped = kskind != SC_NONE and kts > 1
-    kspan = (d // kcs) // kper
-    vspan = (d // vcs) // vper
     for j in range(j0, j1):
         if tail:
             idx = b
@@ -456,6 +474,15 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         nxt = np.int64(tables[b, j + 1]) if (not tail and j + 1 < j1) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs
         vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs
+        if nxt:  # its scales and zero-points too: a few scattered cache lines per block
+            kn = kts * kcs
+            kso = U64((nxt * kp[P_HS] + khs) * kn)
+            _prefetch_scales(kscl, kskind, kso, kn)
+            _prefetch_scales(kzero, kp[P_ZKIND], kso, kn)
+            vn = vts * vcs
+            vso = U64((nxt * vp[P_HS] + vhs) * vn)
+            _prefetch_scales(vscl, vskind, vso, vn)
+            _prefetch_scales(vzero, vp[P_ZKIND], vso, vn)
         # ---- keys -> base-2 logits sc[g, t] + kc[g]
         kbase = U64(idx * kv_heads + h) * U64(bs) * krs
         qsrc = qp
@@ -487,33 +514,31 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
             so = U64((idx * kp[P_HS] + khs) * bs * kcs)
-            _scales(kscl, kskind, so, bs * kcs, sk)
-            _scales(kzero, kp[P_ZKIND], so, bs * kcs, zk)
-            if kcs > 1:
-                _expand(sk, kcs, t0, t1, kper, kdp, kspan, sxk)
+            _scales_t(kscl, kskind, so, bs, kcs, pk, sk)  # sk[grp * bs + t]
+            _scales_t(kzero, kp[P_ZKIND], so, bs, kcs, pk, zk)
         for g in range(g_n):
             mxb[g] = -np.inf
         for t in range(t0, t1, TILE):
             nt = min(TILE, t1 - t)
-            _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], buf)
+            _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
+                         kcs if (grouped and kcs > 1) else 0, sx, buf)  # fmt: skip
             if nxt:
                 _prefetch_rows(kpay, kp[P_KIND], kp[P_FK], knext, krs, t, nt)
-            if grouped and kcs > 1:
-                _scale_tile(buf, nt, sxk, t, True)
             _kdot4(buf, 0, nt, qsrc, sc, t, mxb)
             if nt > 4:
                 _kdot4(buf, 4, nt - 4, qsrc, sc, t + 4, mxb)
             if grouped:  # per-token scale / zero-point terms; the max is taken again below
                 for g in range(g_n):
                     for r in range(nt):
-                        e0 = (t + r) * kcs
+                        tr = t + r
                         if kcs == 1:
-                            sc[g, t + r] = sc[g, t + r] * sk[e0] + qsum[g, 0] * (zk[e0] - koff * sk[e0])
+                            sc[g, tr] = sc[g, tr] * sk[tr] + qsum[g, 0] * (zk[tr] - koff * sk[tr])
                         else:
                             zt = _ZERO
                             for grp in range(kcs):
-                                zt += qsum[g, grp] * (zk[e0 + grp] - koff * sk[e0 + grp])
-                            sc[g, t + r] += zt
+                                e = grp * bs + tr
+                                zt += qsum[g, grp] * (zk[e] - koff * sk[e])
+                            sc[g, tr] += zt
         # ---- online softmax (base 2)
         for g in range(g_n):
             mb = mxb[g]
@@ -542,41 +567,40 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         vbase = U64(idx * kv_heads + h) * U64(bs) * vrs
         if vskind != SC_NONE:
             so = U64((idx * vp[P_HS] + vhs) * vts * vcs)
-            _scales(vscl, vskind, so, vts * vcs, sv)
-            _scales(vzero, vp[P_ZKIND], so, vts * vcs, zv)
-            for grp in range(vcs):
-                ug = U64(grp)
+            _scales_t(vscl, vskind, so, vts, vcs, pk, sv)  # sv[grp * vts + t]
+            _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zv)
+            for grp in range(vcs):  # zero-point / offset terms: sum_t p * (z - off * s), per group
+                gb = U64(grp * vts)
                 for g in range(g_n):
                     zsum = _ZERO
                     if vts > 1:
                         for t in range(u0, u1):
-                            e = t * U64(vcs) + ug
-                            zsum += sc[g, t] * (zv[e] - voff * sv[e])
+                            zsum += sc[g, t] * (zv[gb + t] - voff * sv[gb + t])
                     else:
                         zz = zv[grp] - voff * sv[grp]
                         for t in range(u0, u1):
                             zsum += sc[g, t] * zz
                     zacc[g, grp] += zsum
-            for grp in range(vcs):  # the value scale of each token (and group) goes into its weight
-                ug = U64(grp)
-                for g in range(g_n):
-                    if vts > 1:
-                        for t in range(u0, u1):
-                            w[g, grp, t] = sc[g, t] * sv[t * U64(vcs) + ug]
-                    else:
-                        s0 = sv[grp]
-                        for t in range(u0, u1):
-                            w[g, grp, t] = sc[g, t] * s0
+            for g in range(g_n):  # weights: p, times the scale when it is one per token (or block)
+                if vcs == 1 and vts > 1:
+                    for t in range(u0, u1):
+                        w[g, t] = sc[g, t] * sv[t]
+                else:
+                    s0 = sv[0] if vcs == 1 else np.float32(1.0)
+                    for t in range(u0, u1):
+                        w[g, t] = sc[g, t] * s0
         else:
             for g in range(g_n):
                 for t in range(u0, u1):
-                    w[g, 0, t] = sc[g, t]
+                    w[g, t] = sc[g, t]
         for t in range(t0, t1, TILE):
             nt = min(TILE, t1 - t)
-            _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], buf)
+            # scales along the row (groups, channels) are applied to the decoded rows
+            _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
+                         vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf)  # fmt: skip
             if nxt:
                 _prefetch_rows(vpay, vp[P_KIND], vp[P_FK], vnext, vrs, t, nt)
-            _vacc8(buf, nt, w, t, acc, g_n, vper, vdp, vcs if vskind != SC_NONE else 1)
+            _vacc8(buf, nt, w, t, acc, g_n)
 
 
 @njit(cache=True)
@@ -659,12 +683,11 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
     lsum = np.empty(g_n, np.float32)
     acc = np.empty((g4, d), np.float32)
     zacc = np.empty((g_n, nvg), np.float32)
-    st = (qp, qsum, m, lsum, acc, zacc, np.empty((g_n, bs), np.float32), np.empty((g_n, nvg, bs), np.float32),
+    st = (qp, qsum, m, lsum, acc, zacc, np.empty((g_n, bs), np.float32), np.empty((g_n, bs), np.float32),
           np.empty(g_n, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
-          np.empty(nscr, np.float32), np.empty(d, np.float32), np.empty(d, np.float32),
-          np.empty((TILE, d), np.float32), np.empty((bs if nkg > 1 else 1, d), np.float32),
-          np.empty((1, d), np.float32))  # fmt: skip
+          np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
+          np.empty((TILE, d), np.float32), np.empty(d, np.float32))  # fmt: skip
     for it in range(i0, i1):
         b = items[it, 0]
         h = items[it, 1]
