@@ -60,6 +60,7 @@ class DecodeConfig:
     warmup: int = 2
     threads: int | None = None
     seed: int = 0
+    membw_bytes: int = 512 * 2**20  # the bandwidth probe's buffer: keep it far above the last-level cache
 
     def __post_init__(self) -> None:
         if self.q_heads % self.kv_heads:
@@ -260,7 +261,7 @@ def run_sweep(
         torch.set_num_threads(cfg.threads)
     say = progress or (lambda s: None)
     try:
-        bw = measure_read_bandwidth()
+        bw = measure_read_bandwidth(cfg.membw_bytes)
         say(f"memory read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)")
         probe = _rss_peak_probe()
         rows = []
@@ -284,7 +285,7 @@ def run_sweep(
                              "scratch_bytes": scratch, "baseline": p.baseline})  # fmt: skip
                 say(f"context {n:>6}  {p.name:<22} {med * 1e3:9.2f} ms")
             del case
-        bw = max(bw, measure_read_bandwidth())
+        bw = max(bw, measure_read_bandwidth(cfg.membw_bytes))
     finally:
         torch.set_num_threads(old_threads)
     for r in rows:

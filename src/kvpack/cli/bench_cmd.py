@@ -7,6 +7,7 @@ light (``kvpack size`` must not import torch).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -19,7 +20,7 @@ examples:
   kvpack bench decode --formats int8,int4 --contexts 32k --json out.json
 """
 
-QUICK = {"contexts": "2k,8k", "formats": "int8,int4", "repeats": 5}
+QUICK = {"contexts": "4k,16k", "formats": "int8,fp8,int4,kivi2", "repeats": 5}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--block-size", type=int, default=64, help="cache block size (default 64)")
     d.add_argument("--repeats", type=int, default=None, help="timed calls per provider (default 10)")
     d.add_argument("--threads", type=int, default=None, help="threads for torch and the kernel (default: torch's)")
-    d.add_argument("--quick", action="store_true", help="small grid (2k and 8k, int8 and int4), about a minute")
+    d.add_argument("--membw-mb", type=int, default=512, help="buffer of the memory bandwidth probe in MiB (512)")
+    d.add_argument("--quick", action="store_true", help="small grid (4k and 16k, 5 repeats), about a minute")
     d.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     # generate is another module's: its options are parsed when it runs (see _run_generate)
     g = sub.add_parser(
@@ -84,6 +86,7 @@ def _run_decode(args: argparse.Namespace) -> int:
         repeats=repeats,
         slow_repeats=min(3, repeats),
         threads=args.threads,
+        membw_bytes=args.membw_mb * 2**20,
     )
     if not cfg.contexts:
         raise ConfigError("--contexts is empty; give e.g. 8k,32k")
@@ -98,7 +101,7 @@ def _run_decode(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     try:
-        from kvpack.bench import generate
+        generate = importlib.import_module("kvpack.bench.generate")
     except ModuleNotFoundError as e:
         if e.name != "kvpack.bench.generate":
             raise

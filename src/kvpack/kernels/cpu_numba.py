@@ -1,32 +1,44 @@
 """Compiled loops of the fused CPU decode kernel (numba, cached on disk). Launch it through
-:mod:`kvpack.kernels.cpu`, which checks shapes and builds the arguments.
+:mod:`kvpack.kernels.cpu`, which checks shapes, builds the arguments and runs :func:`work` on threads.
 
-One compiled entry point serves every format, so the code is compiled once per machine: pools arrive
-flattened as tuples of typed views ``(uint8, uint16, float32)`` (only the slot a spec uses is real, the
-others are 1-element dummies) and a spec is a small int vector (the ``P_*`` indices). The per-element
-loops are specialised per payload kind by inlining them under ``if kind == CONST`` branches, so every
-hot loop is branch-free and vectorizes (AVX-512 / AVX2, whatever the host has).
+One set of compiled functions serves every format, so the code is compiled once per machine: pools
+arrive flattened as tuples of typed views ``(uint8, uint16, float32)`` (only the slot a spec uses is real,
+the others are 1-element dummies) and a spec is a small int vector (the ``P_*`` indices). The decoder is
+compiled once per payload kind (``literally``), everything else is kind-independent.
 
 Math per sealed block of ``B`` tokens, for the ``G`` query heads of one kv head (its K/V read once):
 
 * keys whose scale is constant over the block's tokens (tensor/head/channel granularity) are folded into
   the query once per block: ``qf[g, c] = q[g, c] * s[c]``, plus a per-block constant
-  ``sum_c q[g, c] * (z[c] - off * s[c])`` that carries zero-points and offset-binary codes; the loop
-  over tokens is then a dot of ``qf`` with the raw codes, decoded in registers;
-* keys with per-token scales (token/group granularity): one dot per group, then its scale;
-* values: the per-token (group) scale goes into the attention weight, ``w = p[t] * s[t, grp]``, and
-  ``sum_t p[t] * (z - off * s)`` is accumulated per group and added once at the end;
+  ``kc[g] = sum_c q[g, c] * (z[c] - off * s[c])`` that carries zero-points and offset-binary codes; the
+  loop over tokens is then a dot of ``qf`` with the raw codes;
+* keys with per-token scales: the dot is scaled per token (token granularity) or the codes are scaled
+  per group while decoded (group granularity), zero-points add ``sum_grp qsum[g, grp] * z[t, grp]``;
+* values: a per-token (or per-block) scale goes into the attention weight, ``w = p[t] * s[t]``; scales
+  along the row (groups, channels) multiply the codes while they are decoded; zero-points and offsets
+  add ``sum_t p[t] * (z - off * s)`` per group, once at the end;
 * online softmax in base 2 (the query is pre-multiplied by ``sm_scale * log2(e)``) with a vectorizable
   polynomial ``exp2``; the tail is one more block with a passthrough spec.
 
-Rows are processed four at a time, so each accumulator load/store serves four tokens. Packed int4/int2
-rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte ``j``; the query is
-permuted into the keys' plane order and the accumulator lives in the values' plane order (permuted back
-at the end), so every inner loop runs over contiguous bytes. Index arithmetic is unsigned on purpose:
-numba wraps negative signed indices, and that select in an inner loop blocks vectorization.
+Work per block: rows are decoded ``TILE`` (8) at a time into a small float32 tile (2-4 KB, it stays in
+L1; the history is never materialized), then dotted with four query heads at once (16 accumulators in
+registers) and accumulated into four heads' outputs per pass (one load/store of the accumulator per 8
+tokens). The next block's rows, scales and zero-points are prefetched while a block is computed: block
+ids are arbitrary, so the hardware prefetcher cannot guess them.
 
-Long histories are split into chunks of blocks (work items: batch x kv_heads x chunks) that ``prange``
-spreads over the cores; chunk results ``(max, sum, acc)`` are merged with log-sum-exp.
+Packed int4/int2 rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte
+``j``; the query is permuted into the keys' plane order and the accumulator lives in the values' plane
+order (permuted back at the end), so every inner loop runs over contiguous bytes with constant shifts.
+
+Numba details that decide the speed: index arithmetic in inner loops is unsigned (numba wraps negative
+signed indices, and that select blocks vectorization); bit tricks stay in int32 (int64 lanes halve the
+vector width); the per-block helpers are compiled without reference counting (numba's ``_nrt=False``:
+otherwise every call increfs and decrefs each array argument, atomics that cost more than a tile's
+arithmetic). This module is one file on purpose: numba's disk cache is invalidated by the source file
+of the cached function only, so helpers kept in another file could be served stale.
+
+Long histories are split into chunks of blocks (work items: batch x kv_heads x chunks) that threads run
+in parallel; chunk results ``(max, sum, acc)`` are merged with log-sum-exp (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import numpy as np
 from llvmlite import ir
 from numba import literally, njit, types
 from numba.core import cgutils
+from numba.core.options import DefaultOptions
 from numba.extending import intrinsic
 
 # payload kinds
@@ -49,11 +62,10 @@ N_PARAMS = 10
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
-FASTMATH_TREE = FASTMATH - {"reassoc"}
+# Helpers that allocate nothing skip reference counting (see the module docstring); the option is
+# numba's private one, so it is only passed where this numba knows it.
+_NOREF = {"_nrt": False} if hasattr(DefaultOptions, "_nrt") else {}
 TILE = 8  # rows decoded at a time
-# The per-block helpers allocate nothing, so they are compiled without reference counting (numba's
-# private ``_nrt=False``): each non-inlined call would otherwise incref/decref every array argument, and
-# those atomic operations cost more than a block's arithmetic.
 
 U64 = np.uint64
 _LOG2_MIN = np.float32(-126.0)
@@ -109,7 +121,7 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _prefetch_rows(pay, kind, fk, base, rs, t, nt):
     """Prefetch rows ``t .. t + nt - 1`` of a block (flat offset ``base + row * rs`` elements)."""
     start = base + U64(t) * rs
@@ -125,7 +137,7 @@ def _prefetch_rows(pay, kind, fk, base, rs, t, nt):
             _prefetch(pay[1], start + off)
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _prefetch_scales(arrs, kind, o, n):
     """Prefetch ``n`` stored scales (or zero-points) at flat offset ``o``."""
     if kind == SC_F32:
@@ -139,7 +151,7 @@ def _prefetch_scales(arrs, kind, o, n):
             _prefetch(arrs[0], o + off)
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _exp2(x):
     """2**x for float32 ``x <= 0`` (exactly 0 below 2**-126, so -inf gives 0); vectorizes."""
     xc = max(x, _LOG2_MIN)
@@ -154,7 +166,7 @@ def _exp2(x):
     return r if x > _LOG2_MIN else _ZERO
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _half(h):
     """IEEE fp16 bits (any int holding 16 bits) to float32; branch-free, so loops over it vectorize."""
     hi = np.int32(h)
@@ -168,12 +180,12 @@ def _half(h):
     return special if em >= 0x7C00 else r
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _bf16(h):
     return _as_f32(np.int32(h) << np.int32(16))
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _e4m3(b):
     """float8_e4m3fn byte to float32 (bias 7, no infinities, 0x7f/0xff are NaN)."""
     bi = np.int32(b)
@@ -187,7 +199,7 @@ def _e4m3(b):
     return _as_f32(sign | np.int32((em << np.int32(20)) + np.int32(120 << 23)))
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf):
     """Codes of rows ``t .. t + nt - 1`` (flat offset ``base + row * rs``) as float32 into ``buf``
     ``[TILE, D]``, plane order; tile rows past ``nt`` repeat the last row (valid numbers, weight 0 later).
@@ -265,10 +277,13 @@ def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, 
                         buf[r, kb + j] = p32[o + pu * j + ku]
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
-def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf):
-    """:func:`_decode_rows` for a runtime ``kind`` (the one place a payload kind picks its decoder)."""
+@njit(fastmath=FASTMATH, **_NOREF)
+def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf, nxt_base):
+    """:func:`_decode_rows` for a runtime ``kind`` (the one place a payload kind picks its decoder); also
+    prefetches the same rows of the next block (at flat offset ``nxt_base``; 0: none)."""
     p8, p16, p32 = pay
+    if nxt_base:
+        _prefetch_rows(pay, kind, fk, nxt_base, rs, t, nt)
     if kind == S8:
         _decode_rows(S8, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
     elif kind == U8:
@@ -285,15 +300,22 @@ def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf):
         _decode_rows(FLT, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf)
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
-def _kdot4(buf, r0, nt, qf, out, t, mx):
-    """``out[g, t + r] = sum_i qf[g, i] * buf[r0 + r, i]`` for rows ``r < min(nt, 4)``; ``mx[g]`` keeps the max.
+@njit(fastmath=FASTMATH, **_NOREF)
+def _kdot_tile(buf, nt, qf, out, t, mx):
+    """``out[g, t + r] = sum_i qf[g, i] * buf[r, i]`` for tile rows ``r < nt``; ``mx[g]`` keeps the max.
 
-    buf: ``[TILE, D]`` decoded codes; qf: ``[G4, D]`` (rows past G are padding); out: ``[G, *]``. Heads go
-    four at a time, so each decoded element feeds 16 independent accumulators (4 rows x 4 heads).
+    buf: ``[TILE, D]`` decoded codes; qf: ``[G4, D]`` (rows past G are padding); out: ``[G, *]``. Rows go
+    four and heads four at a time, so each decoded element feeds 16 independent accumulators.
     """
     g_n = out.shape[0]
     d = U64(buf.shape[1])
+    for r0 in range(0, nt, 4):
+        _kdot4(buf, r0, nt - r0, qf, out, t + r0, mx, g_n, d)
+
+
+@njit(fastmath=FASTMATH, **_NOREF)
+def _kdot4(buf, r0, nt, qf, out, t, mx, g_n, d):
+    """Rows ``r0 .. r0 + min(nt, 4) - 1`` of :func:`_kdot_tile`."""
     for g0 in range(0, g_n, 4):
         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
         c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = _ZERO
@@ -331,7 +353,7 @@ def _kdot4(buf, r0, nt, qf, out, t, mx):
                         mx[g] = s if s > mx[g] else mx[g]
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _w8(w, g, g_n, t, nt):
     """Weights ``w[g, t:t + 8]`` of one head, zero past ``nt`` rows or past the last head."""
     if g >= g_n:
@@ -348,7 +370,7 @@ def _w8(w, g, g_n, t, nt):
     )
 
 
-@njit(_nrt=False)
+@njit(**_NOREF)
 def _dot8(wt, x0, x1, x2, x3, x4, x5, x6, x7):
     """``sum_r wt[r] * x_r`` as a balanced tree (short dependency chains)."""
     return ((wt[0] * x0 + wt[1] * x1) + (wt[2] * x2 + wt[3] * x3)) + (
@@ -356,7 +378,7 @@ def _dot8(wt, x0, x1, x2, x3, x4, x5, x6, x7):
     )
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _vacc8(buf, nt, w, t, acc, g_n):
     """``acc[g, i] += sum_{r < nt} w[g, t + r] * buf[r, i]`` for heads ``g < g_n``.
 
@@ -389,7 +411,7 @@ def _vacc8(buf, nt, w, t, acc, g_n):
             ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _scales(arrs, kind, o, n, out):
     """``out[:n]`` = the stored scales (or zero-points) at flat offset ``o``, as float32 (0 for none)."""
     if kind == SC_F32:
@@ -414,7 +436,7 @@ def _scales(arrs, kind, o, n, out):
             out[i] = _ZERO
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _scales_t(arrs, kind, o, nt, cs, tmp, out):
     """The ``[nt, cs]`` slab of scales at flat offset ``o``, transposed: ``out[grp * nt + t]`` (float32),
     so loops over the tokens of one group run with unit stride. ``tmp``: scratch of ``nt * cs``."""
@@ -428,7 +450,7 @@ def _scales_t(arrs, kind, o, nt, cs, tmp, out):
             out[grp * nt + t] = tmp[t * cs + grp]
 
 
-@njit(fastmath=FASTMATH, _nrt=False)
+@njit(fastmath=FASTMATH, **_NOREF)
 def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, lo, tail, h, kv_heads, bs, st):
     """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only.
 
@@ -472,8 +494,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
         # the next block is fetched while this one is computed (block ids are random: no hardware prefetch)
         nxt = np.int64(tables[b, j + 1]) if (not tail and j + 1 < j1) else np.int64(0)
-        knext = U64(nxt * kv_heads + h) * U64(bs) * krs
-        vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs
+        knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
+        vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs if nxt else U64(0)
         if nxt:  # its scales and zero-points too: a few scattered cache lines per block
             kn = kts * kcs
             kso = U64((nxt * kp[P_HS] + khs) * kn)
@@ -521,12 +543,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         for t in range(t0, t1, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
-                         kcs if (grouped and kcs > 1) else 0, sx, buf)  # fmt: skip
-            if nxt:
-                _prefetch_rows(kpay, kp[P_KIND], kp[P_FK], knext, krs, t, nt)
-            _kdot4(buf, 0, nt, qsrc, sc, t, mxb)
-            if nt > 4:
-                _kdot4(buf, 4, nt - 4, qsrc, sc, t + 4, mxb)
+                         kcs if (grouped and kcs > 1) else 0, sx, buf, knext)  # fmt: skip
+            _kdot_tile(buf, nt, qsrc, sc, t, mxb)
             if grouped:  # per-token scale / zero-point terms; the max is taken again below
                 for g in range(g_n):
                     for r in range(nt):
@@ -569,7 +587,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             so = U64((idx * vp[P_HS] + vhs) * vts * vcs)
             _scales_t(vscl, vskind, so, vts, vcs, pk, sv)  # sv[grp * vts + t]
             _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zv)
-            for grp in range(vcs):  # zero-point / offset terms: sum_t p * (z - off * s), per group
+            for grp in range(vcs if (vp[P_ZKIND] != SC_NONE or voff != 0) else 0):
+                # zero-point / offset terms: sum_t p * (z - off * s), per group
                 gb = U64(grp * vts)
                 for g in range(g_n):
                     zsum = _ZERO
@@ -597,9 +616,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             nt = min(TILE, t1 - t)
             # scales along the row (groups, channels) are applied to the decoded rows
             _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
-                         vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf)  # fmt: skip
-            if nxt:
-                _prefetch_rows(vpay, vp[P_KIND], vp[P_FK], vnext, vrs, t, nt)
+                         vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf, vnext)  # fmt: skip
             _vacc8(buf, nt, w, t, acc, g_n)
 
 
@@ -654,7 +671,7 @@ def plan(seq_lens, start_pos, window, block_size, kv_heads, target_items, min_ch
 @njit(nogil=True, fastmath=FASTMATH, cache=True)
 def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
          start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc):  # fmt: skip
-    """Run work items ``[i0, i1)`` (releases the GIL: the launcher runs one slice per thread).
+    """Run work items ``[i0, i1)`` (releases the GIL: the launcher runs slices on several threads).
 
     q: ``[batch, Hq, D]`` float32. kpay/vpay: flat (uint8, uint16, float32) views of the payload pools
     ``[num_blocks, H, B, P]``; kscl/vscl, kzero/vzero: flat views of ``[num_blocks, Hs, Ts, Cs]``; kp/vp:
@@ -739,7 +756,7 @@ def merge(first, kv_heads, pm, pl, pacc, out):
         for g in range(g_n):
             o = out[b, h * g_n + g]
             o[:] = 0.0
-            mx = -np.inf
+            mx = np.float32(-np.inf)
             for it in range(i0, i1):
                 mx = max(mx, pm[it, g])
             if mx == -np.inf:
