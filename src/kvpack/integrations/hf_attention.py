@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvpack import kernels
 from kvpack.errors import ConfigError, ShapeError, UnsupportedError
-from kvpack.kernels.reference import dense_history
+from kvpack.kernels.reference import attention_mask, check_query, dense_history
 from kvpack.kernels.views import PagedKV
 
 __all__ = [
@@ -117,11 +117,8 @@ def chunk_attention(
     Returns:
         ``[batch, T, Hq, D]`` in ``q.dtype``.
     """
+    check_query(q, kv)
     batch, t, hq, d = q.shape
-    if batch != kv.batch or d != kv.head_dim or hq % kv.kv_heads:
-        raise ShapeError(
-            f"q must be [batch={kv.batch}, T, Hq (a multiple of {kv.kv_heads}), D={kv.head_dim}], got {tuple(q.shape)}"
-        )
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group = hq // kv.kv_heads
     out = torch.empty(batch, t, hq, d, dtype=q.dtype, device=q.device)
@@ -134,14 +131,10 @@ def chunk_attention(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         start = int(kv.start_pos[row]) if kv.start_pos is not None else 0
-        kpos = torch.arange(n, device=q.device).view(1, -1)
         qr = q[row].transpose(0, 1).float()  # [Hq, T, D]
         for c0 in range(0, t, _QUERY_CHUNK):
             c1 = min(t, c0 + _QUERY_CHUNK)
-            qpos = torch.arange(n - t + c0, n - t + c1, device=q.device).view(-1, 1)
-            mask = (kpos <= qpos) & (kpos >= start)
-            if window is not None:
-                mask &= kpos > qpos - window
+            mask = attention_mask(n, n - t + c0, n - t + c1, window, start, q.device)
             res = torch.nn.functional.scaled_dot_product_attention(
                 qr[:, c0:c1], k, v, attn_mask=mask, scale=sm_scale
             )  # [Hq, c, D]

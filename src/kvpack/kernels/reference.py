@@ -45,6 +45,26 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
+def check_query(q: torch.Tensor, kv: PagedKV) -> None:
+    """Raise :class:`ShapeError` unless ``q`` is ``[batch, T, Hq, D]`` matching ``kv`` (``Hq`` a multiple of kv_heads)."""
+    batch, _, hq, d = q.shape
+    if batch != kv.batch or d != kv.head_dim or hq % kv.kv_heads:
+        raise ShapeError(
+            f"q must be [batch={kv.batch}, T, Hq (a multiple of {kv.kv_heads}), D={kv.head_dim}], got {tuple(q.shape)}"
+        )
+
+
+def attention_mask(n: int, q_lo: int, q_hi: int, window: int | None, start: int, device: torch.device) -> torch.Tensor:
+    """``[q_hi - q_lo, n]`` bool: query at position ``p`` in ``[q_lo, q_hi)`` may attend key position ``j``
+    when ``start <= j <= p`` and, with a window, ``j > p - window``."""
+    qpos = torch.arange(q_lo, q_hi, device=device).view(-1, 1)
+    kpos = torch.arange(n, device=device).view(1, -1)
+    mask = (kpos <= qpos) & (kpos >= start)
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     kv: PagedKV,
@@ -68,11 +88,8 @@ def paged_attention_reference(
     Returns:
         ``[batch, T, Hq, D]`` in ``q.dtype``.
     """
+    check_query(q, kv)
     batch, t, hq, d = q.shape
-    if batch != kv.batch or d != kv.head_dim or hq % kv.kv_heads:
-        raise ShapeError(
-            f"q must be [batch={kv.batch}, T, Hq (a multiple of {kv.kv_heads}), D={kv.head_dim}], got {tuple(q.shape)}"
-        )
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group = hq // kv.kv_heads
     out = torch.empty(batch, t, hq, d, dtype=torch.float32, device=q.device)
@@ -85,13 +102,8 @@ def paged_attention_reference(
         v = v.repeat_interleave(group, dim=0)
         qr = q[row].float().transpose(0, 1)  # [Hq, T, D]
         scores = (qr @ k.transpose(1, 2)) * sm_scale  # [Hq, T, n]
-        qpos = torch.arange(n - t, n, device=q.device).view(-1, 1)
-        kpos = torch.arange(n, device=q.device).view(1, -1)
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos > qpos - window
-        if kv.start_pos is not None:
-            mask &= kpos >= int(kv.start_pos[row])
+        start = int(kv.start_pos[row]) if kv.start_pos is not None else 0
+        mask = attention_mask(n, n - t, n, window, start, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
         out[row] = (probs @ v).transpose(0, 1)
