@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpack.cache import PagedKVCache
 from kvpack.errors import PoolExhaustedError, SequenceError
 from kvpack.formats import parse_format
+from kvpack.outliers import dequantize_outliers, quantize_outliers
 from kvpack.quant import dequantize, quantize
 from kvpack.testing import assert_bitexact
 
@@ -63,7 +64,9 @@ def assert_unchanged(before, after):
 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
-        fmt=st.sampled_from(["int8", "int4", "kivi2", "fp8", "fp16", "k=int8:channel:asym:e8m0,v=int4:g8:sym"]),
+        fmt=st.sampled_from(
+            ["int8", "int4", "kivi2", "fp8", "fp8-o4", "fp16", "k=int8:channel:asym:e8m0,v=int4:g8:sym"]
+        ),
         tail=st.sampled_from([torch.float32, torch.float16]),
         rng=st.randoms(use_true_random=False),
         window=st.sampled_from([None, None, 6, [5, 9]]),
@@ -91,7 +94,12 @@ class CacheMachine(RuleBasedStateMachine):
         released by the sliding window zero."""
         nb = x.shape[1] // B
         blocks = x[:, : nb * B].reshape(H, nb, B, D).transpose(0, 1)
-        sealed = dequantize(quantize(blocks, spec)).transpose(0, 1).reshape(H, nb * B, D)
+        rec = (
+            dequantize_outliers(quantize_outliers(blocks, spec))
+            if spec.has_outliers
+            else dequantize(quantize(blocks, spec))
+        )
+        sealed = rec.transpose(0, 1).reshape(H, nb * B, D)
         out = torch.cat([sealed, x[:, nb * B :]], dim=1)
         out[:, : released * B] = 0
         return out

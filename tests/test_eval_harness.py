@@ -163,3 +163,61 @@ def test_filling_caches_leaves_the_prefill_untouched(lm, engine):
     # and the question reads the quantized document: its logits differ from the full-precision cache's
     q = lm.encode(" Question?")
     assert not torch.equal(runner.forward(q, cache), runner.forward(q, runner.filled(pre, None, 512)))
+
+
+@pytest.fixture(scope="module")
+def calibration_dir(lm, tmp_path_factory):
+    from types import SimpleNamespace
+
+    from kvpack.calibration.run import calibrate
+
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens=False: lm.encode(text))
+    art = calibrate(lm.model, tok, samples=2, seq_len=128, format="fp8@static")
+    d = tmp_path_factory.mktemp("calibration")
+    art.save(d)
+    return d
+
+
+def test_static_variants_run_through_the_harness(lm, calibration_dir):
+    from kvpack.errors import ConfigError
+
+    kw = dict(lengths=[384], attribution=["int4@static"], sensitivity_tokens=160, speculative_tokens=0)
+    cfg = small_config(formats=["fp16", "fp8", "fp8@static", "int4", "int4@static"], calibration=calibration_dir, **kw)
+    r = run_eval(cfg, lm=lm)
+    fid = r["fidelity"]["variants"]
+    # calibrated scales are different scales: the numbers move, and stay in the format's range of damage
+    for name in ("fp8", "int4"):
+        dyn, st = fid[name]["kl_mean"], fid[f"{name}@static"]["kl_mean"]
+        assert dyn != st and 0 < st < 20 * dyn + 1e-3, (name, dyn, st)
+    assert r["formats"]["fp8@static"]["spec"].count("static") == 2  # keys and values (per head)
+    assert r["formats"]["int4@static"]["spec"].count("static") == 1  # keys only: values are per token
+    assert r["calibration"]["made_for"] == "fp8@static"
+    assert set(r["calibration"]["source_per_format"]) == {"fp8@static", "int4@static"}
+    assert len(r["attribution"]["layer_sensitivity"]["errors"]["int4@static"]) == 2
+    assert {"int4@static keys only", "int4@static values only"} <= set(fid)
+    # without an artifact a static format is refused before anything runs
+    with pytest.raises(ConfigError, match="--calibration"):
+        run_eval(small_config(formats=["fp16", "fp8@static"], **kw), lm=lm)
+
+
+def test_static_variants_refuse_another_models_artifact(calibration_dir):
+    from kvpack.errors import CalibrationError
+
+    other, tok = tiny_model(seed=1, layers=3)
+    with pytest.raises(CalibrationError, match="another model"):
+        run_eval(small_config(formats=["fp16", "fp8@static"], calibration=calibration_dir), lm=wrap(other, tok, "t3"))
+
+
+def test_static_and_outlier_variants_agree_across_engines(lm, calibration_dir):
+    names = ["fp16", "fp8@static", "fp8-o4", "int4-o4"]
+    kw = dict(formats=names, lengths=[384], attribution=[], sensitivity_tokens=0, speculative_tokens=0)
+    real = run_eval(small_config(engine="kvpack", calibration=calibration_dir, **kw), lm=lm)
+    sim = run_eval(small_config(calibration=calibration_dir, **kw), lm=lm)
+    for name in names[1:]:
+        a = real["fidelity"]["variants"][name]["kl_mean"]
+        b = sim["fidelity"]["variants"][name]["kl_mean"]
+        assert abs(a - b) <= 0.05 * b + 1e-5, (name, a, b)
+    # the residuals are stored and counted: the outlier formats hold more bytes than their plain selves
+    fmt = real["formats"]
+    assert fmt["fp8-o4"]["bits_per_element"] > fmt["fp8@static"]["bits_per_element"]
+    assert fmt["fp8-o4"]["measured_cache_bytes"] > fmt["fp8@static"]["measured_cache_bytes"]

@@ -24,6 +24,7 @@ from kvpack.formats import (
     parse_format,
     preset,
 )
+from kvpack.outliers import quantize_outliers
 from kvpack.quant import quantize
 
 H, D, B = 8, 128, 64  # kv_heads, head_dim, block_size of the reference table
@@ -34,8 +35,11 @@ EXPECTED_BITS = {
     "bf16": Fraction(16),
     "fp8": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # one fp16 scale per head per block, K and V
     "fp8_e5m2": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),
+    # + 4 key channels per head kept: fp16 residuals per token (4 x 16 bits) and a uint8 index each per block
+    "fp8-o4": Fraction(8) + Fraction(2 * H * 2 * 8 + H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),
     "int8": Fraction(8.1875),
     "int4": Fraction(4.75),
+    "int4-o4": Fraction(4.75) + Fraction(H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),  # int4 + 4 fp16 residuals
     "k8v4": Fraction(6.625),
     "k4v2": Fraction(3.75),
     "kivi2": Fraction(2.75),
@@ -162,7 +166,8 @@ def test_accounting_matches_what_quantize_stores(spec: QuantSpec, head_dim: int)
 def test_preset_accounting_matches_stored_blocks(name: str) -> None:
     f = PRESETS[name]
     k, v = torch.randn(2, H, B, D), torch.randn(2, H, B, D)  # two blocks
-    stored = quantize(k, f.key).nbytes() + quantize(v, f.value).nbytes()
+    seal_k = quantize_outliers if f.key.has_outliers else quantize  # + fp16 residuals and per-block indices
+    stored = seal_k(k, f.key).nbytes() + quantize(v, f.value).nbytes()
     assert stored == 2 * f.block_bytes(H, D)
 
 

@@ -11,6 +11,7 @@ the block), which is also the layout of the scale pools in the paged cache.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
@@ -208,6 +209,12 @@ class QuantSpec:
     artifact can never silently become a block-local (or default) scale. Static scales are per channel,
     head or tensor: a per-token scale only exists once its token does. Storage is unchanged (each block
     still carries its scale slot), so byte counts do not depend on this flag.
+
+    ``outliers=k`` (keys only) keeps ``k`` key channels per kv head in full precision: each sealed block
+    stores, next to its payload and scales, the fp16 residual ``x - dequantize(payload)`` at the kept
+    channels (``[kv_heads, block_size, k]``) and the ascending channel indices (``[kv_heads, k]``, uint8, or
+    int16 when head_dim > 256). The channels are the block's ``k`` largest by abs-max, chosen at seal time,
+    or a calibration artifact's top-k per layer and head (copied into each block). ``0 < k < head_dim``.
     """
 
     dtype: DType
@@ -215,11 +222,20 @@ class QuantSpec:
     symmetric: bool = True
     scale_dtype: ScaleDType = ScaleDType.FP16
     static: bool = False
+    outliers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
             raise FormatError(f"dtype must be a DType, got {self.dtype!r}")
+        if isinstance(self.outliers, bool) or not isinstance(self.outliers, int) or self.outliers < 0:
+            raise FormatError(
+                f"outliers (key channels kept per kv head) must be an integer >= 0, got {self.outliers!r}"
+            )
         if self.dtype.is_passthrough:
+            if self.outliers:
+                raise FormatError(
+                    f"{self.dtype.value} is stored as is: every channel is already full precision; drop 'o{self.outliers}'"
+                )
             if self.granularity is not None:
                 raise FormatError(f"{self.dtype.value} is stored as is and takes no granularity")
             if self.static:
@@ -243,6 +259,10 @@ class QuantSpec:
     @property
     def bits(self) -> int:
         return self.dtype.bits
+
+    @property
+    def has_outliers(self) -> bool:
+        return self.outliers > 0
 
     @property
     def has_zero(self) -> bool:
@@ -289,16 +309,36 @@ class QuantSpec:
         n = math.prod(shape)
         return n * self.scale_dtype.bytes + (n * self.zero_dtype.bytes if self.has_zero else 0)
 
+    @staticmethod
+    def outlier_index_bytes(head_dim: int) -> int:
+        """Bytes of one stored outlier channel index: uint8 up to head_dim 256, int16 past it."""
+        return 1 if head_dim <= 256 else 2
+
+    def outlier_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
+        """Outlier bytes of one block: fp16 residuals ``[kv_heads, block_size, k]`` plus indices ``[kv_heads, k]``."""
+        k = self.outliers
+        return kv_heads * block_size * k * 2 + kv_heads * k * self.outlier_index_bytes(head_dim)
+
     def block_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
-        return self.payload_bytes(kv_heads, block_size, head_dim) + self.scale_bytes(kv_heads, block_size, head_dim)
+        return (
+            self.payload_bytes(kv_heads, block_size, head_dim)
+            + self.scale_bytes(kv_heads, block_size, head_dim)
+            + self.outlier_bytes(kv_heads, block_size, head_dim)
+        )
 
     def reasons_invalid(self, head_dim: int) -> list[str]:
         """Why this spec cannot store vectors of ``head_dim`` (empty when it can)."""
         reasons = []
         if head_dim <= 0:
             reasons.append(f"head_dim must be positive, got {head_dim}")
-        elif self.granularity is not None:
-            reasons += self.granularity.reasons_invalid(head_dim)
+        else:
+            if self.granularity is not None:
+                reasons += self.granularity.reasons_invalid(head_dim)
+            if self.outliers and self.outliers >= head_dim:
+                reasons.append(
+                    f"{self.outliers} outlier channels leave nothing to quantize at head_dim {head_dim}; "
+                    f"keep fewer than {head_dim} (o1..o{head_dim - 1})"
+                )
         return reasons
 
     def __str__(self) -> str:
@@ -310,6 +350,8 @@ class QuantSpec:
         parts.append(self.scale_dtype.value)
         if self.static:
             parts.append("static")
+        if self.outliers:
+            parts.append(f"o{self.outliers}")
         return ":".join(parts)
 
 
@@ -325,6 +367,11 @@ class KVFormat:
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise FormatError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.value.outliers:
+            raise FormatError(
+                f"outlier channels are kept for keys only (a value spec with o{self.value.outliers}): key channels "
+                "carry persistent outliers that per-token value scales do not suffer from; move 'o<N>' to the key spec"
+            )
         if not self.name:
             object.__setattr__(self, "name", self.spec_string())
 
@@ -366,6 +413,14 @@ class KVFormat:
         b = self.block_size
         return self.key.scale_bytes(kv_heads, b, head_dim) + self.value.scale_bytes(kv_heads, b, head_dim)
 
+    def outlier_bytes(self, kv_heads: int, head_dim: int) -> int:
+        """Outlier residual and index bytes of one block (keys only; 0 without outliers)."""
+        return self.key.outlier_bytes(kv_heads, self.block_size, head_dim)
+
+    @property
+    def has_outliers(self) -> bool:
+        return self.key.has_outliers
+
     def bytes_per_token(self, kv_heads: int, head_dim: int, layers: int = 1) -> float:
         """Sealed bytes per token over ``layers`` layers (a block's bytes divided by its tokens)."""
         return layers * self.block_bytes(kv_heads, head_dim) / self.block_size
@@ -397,6 +452,28 @@ class KVFormat:
             name = ""
         return KVFormat(self.key, self.value, block_size, name=name)
 
+    def as_static(self) -> KVFormat:
+        """The same format with calibrated (static) scales wherever a spec can take them (named
+        ``<name>@static``): per-channel, per-head and per-tensor specs become ``static``; per-token and
+        per-group specs keep scales computed at seal time.
+
+        Raises:
+            FormatError: neither keys nor values can take static scales.
+        """
+        key, value = (_static_spec(s) for s in (self.key, self.value))
+        if key == self.key and value == self.value and not self.is_static:
+            raise FormatError(
+                f"format {self.name!r} has no spec that can take calibrated scales (per-channel, per-head or "
+                "per-tensor); '@static' would change nothing"
+            )
+        return KVFormat(key, value, self.block_size, name=f"{self.name}@static")
+
+
+def _static_spec(spec: QuantSpec) -> QuantSpec:
+    if spec.is_passthrough or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
+        return spec
+    return dataclasses.replace(spec, static=True)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Presets
@@ -404,8 +481,8 @@ class KVFormat:
 _FP16 = ScaleDType.FP16
 
 
-def _spec(dtype: DType, gran: Granularity | None = None, sym: bool = True) -> QuantSpec:
-    return QuantSpec(dtype, gran, sym, _FP16)
+def _spec(dtype: DType, gran: Granularity | None = None, sym: bool = True, outliers: int = 0) -> QuantSpec:
+    return QuantSpec(dtype, gran, sym, _FP16, outliers=outliers)
 
 
 def _same(spec: QuantSpec, name: str) -> KVFormat:
@@ -417,9 +494,20 @@ PRESETS: dict[str, KVFormat] = {
     "bf16": _same(_spec(DType.BF16), "bf16"),
     "fp8": _same(_spec(DType.FP8_E4M3, PerHead()), "fp8"),
     "fp8_e5m2": _same(_spec(DType.FP8_E5M2, PerHead()), "fp8_e5m2"),
+    # fp8 with the 4 largest key channels per head kept as fp16 residuals (chosen per block at seal time)
+    "fp8-o4": KVFormat(
+        _spec(DType.FP8_E4M3, PerHead(), outliers=4), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8-o4"
+    ),
     "int8": KVFormat(_spec(DType.INT8, PerChannel()), _spec(DType.INT8, PerToken()), 64, name="int8"),
     "int4": KVFormat(
         _spec(DType.INT4, PerChannel(), sym=False), _spec(DType.INT4, PerGroup(32), sym=False), 64, name="int4"
+    ),
+    # int4 with the 4 largest key channels per head kept as fp16 residuals (+0.5 bits at head_dim 64)
+    "int4-o4": KVFormat(
+        _spec(DType.INT4, PerChannel(), sym=False, outliers=4),
+        _spec(DType.INT4, PerGroup(32), sym=False),
+        64,
+        name="int4-o4",
     ),
     "k8v4": KVFormat(_spec(DType.INT8, PerChannel()), _spec(DType.INT4, PerGroup(32), sym=False), 64, name="k8v4"),
     "k4v2": KVFormat(
@@ -444,17 +532,23 @@ def preset(name: str) -> KVFormat:
 # ----------------------------------------------------------------------------------------------------
 # String syntax:  PRESET[,block=N]   or   k=SPEC,v=SPEC[,block=N]   or   kv=SPEC[,block=N]
 # SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8 | static
+#        | o<N> (keys only: N outlier channels per kv head kept in full precision)
 
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
 _SCALE_NAMES = {s.value: s for s in ScaleDType} | {"fp8": ScaleDType.E8M0}
 
+# '<format>@static': the format with calibrated scales wherever a spec can take them (KVFormat.as_static)
+STATIC_SUFFIX = "@static"
+
 SYNTAX_HELP = (
     "a format is a preset name ({presets}), optionally followed by ',block=N'; or a custom "
     "'k=SPEC,v=SPEC[,block=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
-    "fp32|fp16|bf16|e8m0 (alias fp8), and 'static' for calibrated scales (needs a calibration artifact). "
-    "Example: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64'"
+    "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
+    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals. "
+    "Append '@static' to a format for calibrated scales wherever a spec can take them ('fp8@static'). "
+    "Examples: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64', 'k=fp8:head:o4,v=fp8:head'"
 )
 
 
@@ -465,6 +559,8 @@ def _help() -> str:
 def _field_kind(field: str, is_group: bool) -> str | None:
     if field == "static":
         return "static"
+    if re.fullmatch(r"o(?:utliers)?[0-9]+", field):
+        return "outliers"
     if field in _GRAN_NAMES or is_group:
         return "granularity"
     if field in ("sym", "asym"):
@@ -487,6 +583,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     sym: bool | None = None
     scale = ScaleDType.FP16
     static = False
+    outliers = 0
     seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
         group = re.fullmatch(r"g(?:roup)?([0-9]+)", p)
@@ -494,13 +591,21 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         if kind is None:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
-                "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static"
+                "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static, "
+                "o<N> (outlier key channels)"
             )
         if kind in seen:
             raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
         seen[kind] = p
         if p == "static":
             static = True
+        elif kind == "outliers":
+            if role != "key":
+                raise FormatError(
+                    f"{p!r} in the {role} spec {text!r}: outlier channels are kept for keys only; "
+                    "move it to the k= spec (with kv=, give k= and v= separately)"
+                )
+            outliers = int(re.sub(r"[^0-9]", "", p))
         elif group:
             gran = PerGroup(int(group.group(1)))
         elif p in _GRAN_NAMES:
@@ -513,7 +618,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale, static)
+    return QuantSpec(dtype, gran, sym, scale, static, outliers)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:
@@ -522,6 +627,8 @@ def parse_format(text: str | KVFormat) -> KVFormat:
         return text
     if not isinstance(text, str) or not text.strip():
         raise FormatError(f"empty format; {_help()}")
+    if text.strip().lower().endswith(STATIC_SUFFIX):  # a format with calibrated scales where it can take them
+        return parse_format(text.strip()[: -len(STATIC_SUFFIX)]).as_static()
     fields = [f.strip() for f in text.strip().split(",") if f.strip()]
     base: KVFormat | None = None
     key = value = None

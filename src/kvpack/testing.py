@@ -11,6 +11,7 @@ import torch
 
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.kernels.views import PagedKV
+from kvpack.outliers import index_dtype, quantize_outliers
 from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype
 
 __all__ = [
@@ -98,9 +99,25 @@ def _poison_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pool(spec: QuantSpec, blocks: list[torch.Tensor], ids: list[int], num_blocks: int, d: int):
-    """Quantize each ``[H, B, D]`` block and scatter it into poisoned pools at ``ids``."""
+    """Quantize each ``[H, B, D]`` block and scatter it into poisoned pools at ``ids``.
+
+    Returns ``(data, scale, zero, outlier, outlier_idx)``; the last two are ``None`` unless the spec keeps
+    outlier channels (then residuals and indices are chosen per block at seal time).
+    """
     h, b = blocks[0].shape[0], blocks[0].shape[1] if blocks else (0, 0)
-    qts = [quantize(x, spec) for x in blocks]
+    outlier = outlier_idx = None
+    if spec.has_outliers:
+        obs = [quantize_outliers(x, spec) for x in blocks]
+        qts = [ob.qt for ob in obs]
+        outlier = _poison_like((num_blocks, h, b, spec.outliers), torch.float16)
+        idt = index_dtype(d)
+        # out-of-range channel indices: a kernel that reads the null block's indices would fail loudly
+        outlier_idx = torch.full((num_blocks, h, spec.outliers), 0xFF if idt == torch.uint8 else 0x7FFF, dtype=idt)
+        for ob, i in zip(obs, ids):
+            outlier[i] = ob.residual
+            outlier_idx[i] = ob.idx
+    else:
+        qts = [quantize(x, spec) for x in blocks]
     data = _poison_like((num_blocks, h, b, spec.packed_head_dim(d)), payload_torch_dtype(spec))
     scale = zero = None
     shape = spec.scale_shape(h, b, d)
@@ -119,7 +136,7 @@ def _pool(spec: QuantSpec, blocks: list[torch.Tensor], ids: list[int], num_block
             scale[i] = qt.scale
         if zero is not None:
             zero[i] = qt.zero
-    return data, scale, zero
+    return data, scale, zero, outlier, outlier_idx
 
 
 def random_paged_kv(
@@ -135,7 +152,9 @@ def random_paged_kv(
     """A :class:`PagedKV` with fresh random (never zero) keys and values, built with the primitives.
 
     Block ids are shuffled when ``shuffle`` (so the paged gather is really exercised); the null block,
-    spare blocks and tail slots past each sequence's length are poisoned (NaN or extreme codes).
+    spare blocks and tail slots past each sequence's length are poisoned (NaN or extreme codes). A key spec
+    with outlier channels gets ``k_outlier`` / ``k_outlier_idx`` pools (channels chosen per block at seal
+    time), poisoned the same way (NaN residuals, out-of-range indices).
 
     Returns:
         ``(kv, keys, values)``: the view, and per sequence the full-precision ``[H, seq_len, D]`` float32
@@ -173,8 +192,8 @@ def random_paged_kv(
         kblocks = [torch.randn(kv_heads, b, head_dim, generator=g)]
         vblocks = [torch.randn(kv_heads, b, head_dim, generator=g)]
         used = [ids[0]]
-    kd, ks, kz = _pool(fmt.key, kblocks, used, num_blocks, head_dim)
-    vd, vs, vz = _pool(fmt.value, vblocks, used, num_blocks, head_dim)
+    kd, ks, kz, ko, koi = _pool(fmt.key, kblocks, used, num_blocks, head_dim)
+    vd, vs, vz, _, _ = _pool(fmt.value, vblocks, used, num_blocks, head_dim)
     kv = PagedKV(
         format=fmt,
         head_dim=head_dim,
@@ -188,5 +207,7 @@ def random_paged_kv(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         tail_k=tail_k,
         tail_v=tail_v,
+        k_outlier=ko,
+        k_outlier_idx=koi,
     )
     return kv, keys, values

@@ -6,6 +6,12 @@ fail later is checked here first (fail closed): a static format without scales, 
 takes none, scales made for another spec, or of another shape than ``[num_layers, Hs, 1, Cs]``
 (``[num_layers, kv_heads, 1, head_dim]`` per channel). The digest of the scales salts the prefix keys, so
 blocks sealed with different scales are never shared.
+
+A key spec with outlier channels takes its channels from an :class:`~kvpack.calibration.Artifact` when one
+is given (the top-k of the observed key abs-max per layer and head, :func:`resolve_outlier_channels`);
+without an artifact (or with bare :class:`CalibratedScales`, which carry no statistics) they are chosen per
+block at seal time. An artifact given to a format that has neither static specs nor outlier channels is
+refused: it would be ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from kvpack.errors import CalibrationError
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.quant import decode_scale, scale_torch_dtype
 
-__all__ = ["resolve_calibration", "scales_digest"]
+__all__ = ["channels_digest", "resolve_calibration", "resolve_outlier_channels", "scales_digest"]
 
 
 def _check_role(
@@ -84,6 +90,8 @@ def resolve_calibration(
             specs, scales made for another spec, or scales whose shape is not ``[num_layers, Hs, 1, Cs]``.
     """
     if isinstance(calibration, Artifact):
+        if not fmt.is_static and fmt.has_outliers:
+            return None  # the artifact supplies outlier channels only (resolve_outlier_channels)
         calibration = calibration.scales_for(fmt)
     require_static_scales(fmt, calibration)
     if calibration is None:
@@ -112,3 +120,30 @@ def scales_digest(calibration: CalibratedScales) -> str:
             if t is not None:
                 h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def resolve_outlier_channels(
+    fmt: KVFormat,
+    calibration: CalibratedScales | Artifact | None,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The calibrated outlier key channels ``[num_layers, kv_heads, k]`` int64 on ``device``, or ``None``
+    (chosen per block at seal time): only a format with ``outliers`` and an :class:`Artifact` give channels.
+
+    Raises:
+        CalibrationError: the artifact's key statistics do not have this cache's geometry.
+    """
+    if not fmt.has_outliers or not isinstance(calibration, Artifact):
+        return None
+    from kvpack.calibration.outliers import artifact_outlier_channels
+
+    return artifact_outlier_channels(calibration, fmt.key.outliers, num_layers, kv_heads, head_dim).to(device)
+
+
+def channels_digest(channels: torch.Tensor) -> str:
+    """A hex digest of calibrated outlier channels (blocks sealed with other channels hold other bytes)."""
+    data = channels.detach().to(torch.int64).contiguous().cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -11,8 +11,9 @@ only bring it up to layer 0's length. The first layer to seal a block allocates 
 into the same id. Breaking the rule raises :class:`SequenceError` and changes nothing.
 
 Crop inside a sealed block: the kept tokens of that block return to the tail as their *dequantized*
-values (cast to the tail dtype), and the block is released. Such a block is never registered for prefix
-sharing when it is sealed again (it no longer holds exactly the quantized original tokens).
+values (with the outlier residuals of keys added, cast to the tail dtype), and the block is released.
+Such a block is never registered for prefix sharing when it is sealed again (it no longer holds exactly
+the quantized original tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvpack.cache.calibrated import resolve_calibration, scales_digest
+from kvpack.cache.calibrated import channels_digest, resolve_calibration, resolve_outlier_channels, scales_digest
 from kvpack.cache.pool import NULL_BLOCK, BlockPool
 from kvpack.cache.prefix import ROOT, block_key, chain_keys
 from kvpack.cache.storage import BlockStorage
@@ -86,7 +87,10 @@ class PagedKVCache:
         calibration: the static scales of a format with ``static`` specs:
             ``load_artifact(dir, model=config).scales_for(fmt)`` (a :class:`~kvpack.calibration.CalibratedScales`)
             or the :class:`~kvpack.calibration.Artifact` itself. Required for such a format, refused for
-            any other (:class:`CalibrationError`), and checked against ``[num_layers, Hs, 1, Cs]``.
+            any other (:class:`CalibrationError`), and checked against ``[num_layers, Hs, 1, Cs]``. For a
+            format with outlier key channels, an ``Artifact`` also supplies the channels (the top-k of the
+            observed key abs-max per layer and head, copied into every sealed block; without one they are
+            chosen per block at seal time); such a format may take an artifact without being static.
         clip_threshold: fraction of a layer's sealed values that may clip (fall outside the calibrated range)
             before ``clip_monitor`` warns (:class:`~kvpack.calibration.CalibrationDriftWarning`).
     """
@@ -128,7 +132,10 @@ class PagedKVCache:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.calibration = resolve_calibration(self.format, calibration, num_layers, kv_heads, head_dim, self.device)
+        geometry = (num_layers, kv_heads, head_dim, self.device)
+        self.calibration = resolve_calibration(self.format, calibration, *geometry)
+        # [L, H, k] int64 calibrated outlier key channels, or None: chosen per block at seal time
+        self.outlier_channels = resolve_outlier_channels(self.format, calibration, *geometry)
         self.windows = self._parse_window(window, num_layers)
         # a block leaves every layer's window only if every layer has one
         self.release_window = None if None in self.windows else max(self.windows)
@@ -138,6 +145,8 @@ class PagedKVCache:
         self.salt = f"{self.format.spec_string()}|kv_heads={kv_heads}|head_dim={head_dim}"
         if self.calibration is not None:  # blocks sealed with other scales hold other bytes: never share them
             self.salt += f"|scales={scales_digest(self.calibration)}"
+        if self.outlier_channels is not None:
+            self.salt += f"|outliers={channels_digest(self.outlier_channels)}"
         b = self.block_size
         self._tail_k = torch.zeros(num_layers, max_seqs, kv_heads, b, head_dim, dtype=tail_dtype, device=self.device)
         self._tail_v = torch.zeros_like(self._tail_k)
@@ -404,6 +413,8 @@ class PagedKVCache:
             v_data=st.v_data[layer],
             v_scale=None if st.v_scale is None else st.v_scale[layer],
             v_zero=None if st.v_zero is None else st.v_zero[layer],
+            k_outlier=None if st.k_outlier is None else st.k_outlier[layer],
+            k_outlier_idx=None if st.k_outlier_idx is None else st.k_outlier_idx[layer],
             block_tables=tables.to(self.device),
             seq_lens=lens.to(self.device),
             tail_k=tail_k,

@@ -1,9 +1,9 @@
 """Memory accounting of a :class:`~kvpack.cache.PagedKVCache`, and its consistency checks.
 
 Every byte the cache allocated on its device falls in exactly one bucket per layer:
-``payload + scale + tail + cached + unused == allocated``. ``shared`` is not a bucket: it is what sharing
-saved (blocks referenced by several sequences counted once). The identity the tests check, for quantized
-formats: ``payload + scale + tail + host == theoretical - shared``, where ``theoretical`` sums
+``payload + scale + outlier + tail + cached + unused == allocated``. ``shared`` is not a bucket: it is what
+sharing saved (blocks referenced by several sequences counted once). The identity the tests check, for
+quantized formats: ``payload + scale + outlier + tail + host == theoretical - shared``, where ``theoretical`` sums
 :meth:`kvpack.formats.KVFormat.bytes_for_tokens` over the sequences.
 """
 
@@ -26,6 +26,7 @@ class LayerMemory:
     Attributes:
         payload_bytes: packed K/V of blocks in use (reference count > 0).
         scale_bytes: scales and zero-points of blocks in use.
+        outlier_bytes: outlier key channels of blocks in use (fp16 residuals and channel indices).
         tail_bytes: full-precision tails of live sequences.
         cached_bytes: unreferenced blocks kept for prefix reuse (evictable: available to allocations).
         unused_bytes: allocated but holding nothing: free blocks, the null block, empty tail slots.
@@ -37,6 +38,7 @@ class LayerMemory:
 
     payload_bytes: int = 0
     scale_bytes: int = 0
+    outlier_bytes: int = 0
     tail_bytes: int = 0
     cached_bytes: int = 0
     unused_bytes: int = 0
@@ -47,8 +49,8 @@ class LayerMemory:
 
     @property
     def used_bytes(self) -> int:
-        """Device bytes holding live data: payload, scales and tails."""
-        return self.payload_bytes + self.scale_bytes + self.tail_bytes
+        """Device bytes holding live data: payload, scales, outlier channels and tails."""
+        return self.payload_bytes + self.scale_bytes + self.outlier_bytes + self.tail_bytes
 
     @property
     def allocated_bytes(self) -> int:
@@ -97,7 +99,8 @@ class MemoryReport:
             f"blocks: {self.used_blocks} used, {self.cached_blocks} cached, {self.free_blocks} free of {self.num_blocks - 1}"
             f" ({self.host_blocks} on the host)",
             f"used {t.used_bytes * mib:.2f} MiB (payload {t.payload_bytes * mib:.2f}, scales {t.scale_bytes * mib:.2f}, "
-            f"tails {t.tail_bytes * mib:.2f}); theoretical {t.theoretical_bytes * mib:.2f} MiB; "
+            + (f"outliers {t.outlier_bytes * mib:.2f}, " if t.outlier_bytes else "")
+            + f"tails {t.tail_bytes * mib:.2f}); theoretical {t.theoretical_bytes * mib:.2f} MiB; "
             f"shared saves {t.shared_bytes * mib:.2f} MiB",
             f"allocated {t.allocated_bytes * mib:.2f} MiB (cached {t.cached_bytes * mib:.2f}, unused {t.unused_bytes * mib:.2f});"
             f" host {t.host_bytes * mib:.2f} MiB",
@@ -118,8 +121,8 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
     used = sum(1 for r in refs if r > 0)
     shared_refs = sum(r - 1 for r in refs if r > 1)
     cached, free = pool.num_cached, pool.num_free
-    payload, scale = cache.storage.block_nbytes()
-    block = payload + scale
+    payload, scale, outlier = cache.storage.block_nbytes()
+    block = payload + scale + outlier
     h, b, d = cache.kv_heads, cache.block_size, cache.head_dim
     tail_slot = 2 * h * b * d * cache._tail_k.element_size()
     slots = cache._tail_k.shape[1]
@@ -138,6 +141,7 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
             LayerMemory(
                 payload_bytes=used * payload,
                 scale_bytes=used * scale,
+                outlier_bytes=used * outlier,
                 tail_bytes=nseq * tail_slot,
                 cached_bytes=cached * block,
                 unused_bytes=(free + 1) * block + (slots - nseq) * tail_slot,

@@ -11,12 +11,14 @@ import math
 
 import torch
 
+from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat, QuantSpec
+from kvpack.outliers import apply_residual, index_dtype
 from kvpack.quant import QuantizedTensor, dequantize, payload_torch_dtype, scale_torch_dtype
 
 __all__ = ["POOL_NAMES", "BlockStorage"]
 
-POOL_NAMES = ("k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero")
+POOL_NAMES = ("k_data", "k_scale", "k_zero", "k_outlier", "k_outlier_idx", "v_data", "v_scale", "v_zero")
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -52,6 +54,8 @@ class BlockStorage:
         k_data: ``[L, N, H, B, Pk]``, dtype ``quant.payload_torch_dtype(format.key)``.
         k_scale: ``[L, N, Hs, Ts, Cs]``, dtype of the key scale storage; ``None`` for passthrough keys.
         k_zero: like ``k_scale``, dtype of ``format.key.zero_dtype``; ``None`` unless asymmetric.
+        k_outlier: ``[L, N, H, B, k]`` float16, the residuals of a key spec with ``outliers=k``; else ``None``.
+        k_outlier_idx: ``[L, N, H, k]`` uint8 (int16 when head_dim > 256), the kept channels; else ``None``.
         v_data, v_scale, v_zero: the same for values.
     """
 
@@ -64,35 +68,55 @@ class BlockStorage:
         b = fmt.block_size
         self.k_data, self.k_scale, self.k_zero = _pools(fmt.key, lead, kv_heads, b, head_dim, device)
         self.v_data, self.v_scale, self.v_zero = _pools(fmt.value, lead, kv_heads, b, head_dim, device)
+        self.k_outlier = self.k_outlier_idx = None
+        k = fmt.key.outliers
+        if k:
+            self.k_outlier = torch.zeros(*lead, kv_heads, b, k, dtype=torch.float16, device=device)
+            self.k_outlier_idx = torch.zeros(*lead, kv_heads, k, dtype=index_dtype(head_dim), device=device)
 
     def pools(self) -> dict[str, torch.Tensor]:
         """The existing pools by name (absent scales and zero-points left out)."""
         return {n: getattr(self, n) for n in POOL_NAMES if getattr(self, n) is not None}
 
-    def block_nbytes(self) -> tuple[int, int]:
-        """``(payload, scale + zero)`` bytes of one block in one layer, as allocated."""
-        payload = scale = 0
+    def block_nbytes(self) -> tuple[int, int, int]:
+        """``(payload, scale + zero, outlier residuals + indices)`` bytes of one block in one layer, as allocated."""
+        payload = scale = outlier = 0
         for name, t in self.pools().items():
             n = t[0, 0].numel() * t.element_size()
             if name.endswith("data"):
                 payload += n
+            elif "outlier" in name:
+                outlier += n
             else:
                 scale += n
-        return payload, scale
+        return payload, scale, outlier
 
-    def write(self, layer: int, ids: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor) -> None:
+    def write(
+        self,
+        layer: int,
+        ids: torch.Tensor,
+        k: QuantizedTensor,
+        v: QuantizedTensor,
+        k_outlier: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Scatter freshly sealed blocks into one layer's pools.
 
         Args:
             layer: the layer.
             ids: ``[n]`` int64 block ids (distinct, not 0).
             k, v: quantized ``[n, H, B, D]`` blocks from :func:`kvpack.quant.quantize`.
+            k_outlier: ``(residual [n, H, B, k] float16, idx [n, H, k])`` of a key spec with outliers.
         """
-        for prefix, qt in (("k", k), ("v", v)):
-            for part, src in (("data", qt.data), ("scale", qt.scale), ("zero", qt.zero)):
-                if src is not None:
-                    dst = getattr(self, f"{prefix}_{part}")[layer]
-                    _words(dst).index_copy_(0, ids, _words(src.contiguous()))
+        if (k_outlier is None) != (self.k_outlier is None):
+            raise ShapeError("outlier residuals must be written exactly when the key spec keeps outlier channels")
+        parts = [("k", "data", k.data), ("k", "scale", k.scale), ("k", "zero", k.zero)]
+        if k_outlier is not None:
+            parts += [("k", "outlier", k_outlier[0]), ("k", "outlier_idx", k_outlier[1])]
+        parts += [("v", "data", v.data), ("v", "scale", v.scale), ("v", "zero", v.zero)]
+        for prefix, part, src in parts:
+            if src is not None:
+                dst = getattr(self, f"{prefix}_{part}")[layer]
+                _words(dst).index_copy_(0, ids, _words(src.contiguous()))
 
     def gather(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of blocks ``ids`` (``[n]`` int64) in every layer: name -> ``[L, n, ...]``."""
@@ -107,10 +131,13 @@ class BlockStorage:
             _words(t, 2).index_copy_(1, ids, _words(parts[name].to(t.device).contiguous(), 2))
 
     def dequantize_block(self, block: int, layers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one block in some layers, dequantized: two ``[n_layers, H, B, D]`` float32."""
+        """Keys and values of one block in some layers, dequantized (keys with their outlier residuals
+        added): two ``[n_layers, H, B, D]`` float32."""
         out = []
         for prefix, spec in (("k", self.format.key), ("v", self.format.value)):
             parts = [getattr(self, f"{prefix}_{n}") for n in ("data", "scale", "zero")]
             data, scale, zero = (None if p is None else p[layers, block] for p in parts)
             out.append(dequantize(QuantizedTensor(data, scale, zero, spec, self.head_dim)))
+        if self.k_outlier is not None:
+            out[0] = apply_residual(out[0], self.k_outlier[layers, block], self.k_outlier_idx[layers, block])
         return out[0], out[1]

@@ -4,8 +4,9 @@ Plain tensor code over the whole batch: index arrays are built with numpy (one e
 sealed block, never a Python loop over tokens or elements), tensors move with one gather / scatter per
 kind, and every block sealed by the call is quantized in one :func:`kvpack.quant.quantize` call for keys
 and one for values (:func:`kvpack.calibration.seal_with_static` for a ``static`` spec, whose clipped
-count goes to ``cache.clip_monitor`` after the commit). All checks and the quantization run before the
-first write, so an error leaves the cache as it was.
+count goes to ``cache.clip_monitor`` after the commit; :func:`seal_outliers` for keys with outlier
+channels, whose residuals and indices are written next to the payload). All checks and the quantization
+run before the first write, so an error leaves the cache as it was.
 
 Positions of one row, relative to its tail: the tail holds ``r = n % B`` tokens, the new token ``t`` lands
 at ``p = r + t``; the row seals ``s = (r + T) // B`` blocks. Block 0 of the append is the old tail plus the
@@ -23,7 +24,8 @@ import torch
 
 from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
-from kvpack.quant import QuantizedTensor, quantize
+from kvpack.outliers import fill_outliers, outlier_residual, seal_time_channels
+from kvpack.quant import QuantizedTensor, _raise_non_finite, quantize
 
 if TYPE_CHECKING:
     from kvpack.cache.paged import PagedKVCache, _Rows
@@ -133,6 +135,33 @@ def _seal_reasons(cache: PagedKVCache, blocks: torch.Tensor, spec) -> list[str]:
     return reasons
 
 
+def seal_outliers(
+    blocks: torch.Tensor,
+    spec,
+    scales: LayerScales | None = None,
+    channels: torch.Tensor | None = None,
+) -> tuple[QuantizedTensor, int, tuple[torch.Tensor, torch.Tensor]]:
+    """Seal keys with outlier channels, always in torch: choose (or take) the channels, fill, quantize
+    (with static ``scales`` when the spec is static), and keep the residuals.
+
+    Args:
+        blocks: ``[n, H, B, D]`` full blocks.
+        channels: ``[H, k]`` calibrated channels of this layer, or ``None`` to choose per block.
+
+    Returns ``(qt, clipped, (residual [n, H, B, k] float16, idx [n, H, k]))``.
+    """
+    if not torch.isfinite(blocks).all():  # before the channel choice: a NaN must be reported, not filled
+        _raise_non_finite(blocks)
+    if channels is None:
+        channels = seal_time_channels(blocks, spec.outliers)
+    filled = fill_outliers(blocks, spec, channels)
+    if spec.static:
+        qt, clipped = seal_with_static(filled, spec, scales)
+    else:
+        qt, clipped = quantize(filled, spec), 0
+    return qt, clipped, outlier_residual(blocks, qt, channels)
+
+
 def seal(
     cache: PagedKVCache, blocks: torch.Tensor, spec, scales: LayerScales | None = None
 ) -> tuple[QuantizedTensor, int]:
@@ -141,6 +170,7 @@ def seal(
     A ``static`` spec is sealed with ``scales`` (one layer's calibrated scales) by
     :func:`~kvpack.calibration.seal_with_static`, always in torch (the Triton seal chooses block-local
     scales). Returns ``(qt, clipped)``: ``clipped`` counts values outside the calibrated range (0 otherwise).
+    Specs with outlier channels go through :func:`seal_outliers` instead.
     """
     if spec.static:
         return seal_with_static(blocks, spec, scales)
@@ -159,10 +189,14 @@ def seal(
     return quantize(blocks, spec), 0
 
 
-def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b) -> tuple[QuantizedTensor, int]:
+def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b):
+    """``(qt, clipped, outlier)`` of the blocks being sealed; ``outlier`` is ``(residual, idx)`` or ``None``."""
     scales = getattr(cache.calibration, what).layer(layer) if spec.static else None
     try:
-        return seal(cache, blocks, spec, scales)
+        if spec.has_outliers:
+            channels = None if cache.outlier_channels is None else cache.outlier_channels[layer]
+            return seal_outliers(blocks, spec, scales, channels)
+        return (*seal(cache, blocks, spec, scales), None)
     except NonFiniteError as e:
         where = []
         for w in e.where:
@@ -215,8 +249,8 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
         blocks_k = _gather_blocks(tail_k, kc, slots, r, sealing, pair_row, pair_j)
         blocks_v = _gather_blocks(tail_v, vc, slots, r, sealing, pair_row, pair_j)
         args = (layer, rows, n_old, pair_row, pair_j, b)
-        kq, clipped_k = _quantize(cache, blocks_k, cache.format.key, "key", *args)
-        vq, clipped_v = _quantize(cache, blocks_v, cache.format.value, "value", *args)
+        kq, clipped_k, k_outlier = _quantize(cache, blocks_k, cache.format.key, "key", *args)
+        vq, clipped_v, _ = _quantize(cache, blocks_v, cache.format.value, "value", *args)
 
     # -- commit -------------------------------------------------------------------------------------
     for i, cut in releases:
@@ -236,7 +270,7 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
                 seq.blocks.append(pool.allocate())
                 tables[seq.slot, lb] = seq.blocks[lb]
             ids.append(seq.blocks[lb])
-        cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq)
+        cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq, k_outlier)
     _write_tails(cache, layer, rows, kc, vc, r, s)
     cache._lens_np[layer, slots] += t_new
     for i in sealing.tolist():

@@ -269,6 +269,15 @@ def _scales(t: dict[str, torch.Tensor], role: str, spec: QuantSpec, source: str)
     return StaticScales(role[:-1], spec, t[f"{role}.scale"], t.get(f"{role}.zero"), src)
 
 
+def _named(fmt: KVFormat, name: Any) -> KVFormat:
+    """``fmt`` under the name it was calibrated as (``fp8@static``) when that name still spells it."""
+    try:
+        same = isinstance(name, str) and parse_format(name) == fmt
+    except FormatError:
+        same = False
+    return KVFormat(fmt.key, fmt.value, fmt.block_size, name=name) if same else fmt
+
+
 def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVFormat | None = None) -> Artifact:
     """Load and verify an artifact.
 
@@ -316,7 +325,7 @@ def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVF
     except Exception as e:  # safetensors raises its own error type for a malformed header
         raise _corrupt(d, f"{tpath.name} is not a readable safetensors file ({e})") from None
     try:
-        fmt = parse_format(manifest["format"])
+        fmt = _named(parse_format(manifest["format"]), manifest.get("format_name"))
         percentiles = [float(p) for p in manifest["percentiles"]]
         keys = _role_stats(tensors, "keys", percentiles)
         values = _role_stats(tensors, "values", percentiles)

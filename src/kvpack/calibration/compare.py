@@ -8,7 +8,8 @@ layers):
 * key SNR in dB (dequantized keys against the originals);
 * the relative error of the causal attention output ``softmax(q k^T / sqrt(d)) v`` with the dequantized
   keys (values exact, so the number is the keys' share of the error);
-* honest bits per key element (payload, scales, zero-points, kept fp16 columns and their indices);
+* honest bits per key element (payload, scales, zero-points, the kept channels' fp16 residuals and their
+  per-block indices, as the cache stores them);
 * the fraction of key values clipped by static scales.
 
 All keys of a window are quantized in blocks of 64 (no full-precision tail), which is harsher than the
@@ -29,7 +30,6 @@ from kvpack.calibration.observer import KVObserver, RoleStats
 from kvpack.calibration.outliers import (
     dequantize_with_outliers,
     quantize_with_outliers,
-    seal_time_channels,
     select_outlier_channels,
 )
 from kvpack.calibration.static import seal_with_static, static_scales
@@ -127,12 +127,13 @@ def _static(spec_text: str, keys: RoleStats, source: str) -> Callable:
 
 
 def _outliers(spec_text: str, k: int, keys: RoleStats | None) -> Callable:
-    spec = parse_format(f"k={spec_text},v=fp16").key
+    spec = parse_format(f"k={spec_text}:o{k},v=fp16").key
 
     def run(x: torch.Tensor, layer: int) -> tuple[torch.Tensor, int, int]:
-        ch = seal_time_channels(x, k) if keys is None else select_outlier_channels(keys.absmax[layer], k)
+        # calibrated channels are copied into every block, as the cache stores them; None: chosen per block
+        ch = None if keys is None else select_outlier_channels(keys.absmax[layer], k)
         oq = quantize_with_outliers(x, spec, ch)
-        return dequantize_with_outliers(oq), oq.nbytes(include_shared_indices=True), 0
+        return dequantize_with_outliers(oq), oq.nbytes(), 0
 
     return run
 

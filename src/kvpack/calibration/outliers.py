@@ -1,39 +1,41 @@
-"""Outlier key channels kept in full precision: a quant-level measurement, not yet a cache format.
+"""Outlier key channels from calibration: the top-k channels per layer and head of an artifact.
 
-A few key channels per head run much larger than the rest, for every token. Keeping the top-k of them
-dense (fp16) and quantizing the rest changes two things: under per-token (or per-group) key scales the
-outliers no longer dictate the scale of every other channel, and under per-channel scales the largest
-absolute errors (the outlier channels' own) disappear.
+The seal-level logic (choose per block, neutral fill, quantize, fp16 residual) lives in
+:mod:`kvpack.outliers` and is what the paged cache runs for a key spec with ``outliers=k``
+(``k=fp8:head:o4``, preset ``fp8-o4``). This module adds the calibrated choice: a calibration artifact
+observes every key channel's range per layer and head, and :func:`select_outlier_channels` keeps the
+``k`` largest; :func:`artifact_outlier_channels` does that for every layer, which is what
+``PagedKVCache(calibration=artifact)`` copies into each sealed block.
 
-:func:`quantize_with_outliers` splits a block into the dense outlier columns plus a quantized remainder
-that keeps the normal block layout (the outlier columns are overwritten with a value that cannot widen
-their scale group's range, so a kernel could read the block as usual and patch k columns);
-:meth:`OutlierQuantized.nbytes` counts every stored byte: payload (including the neutralized columns),
-scales, zero-points, the fp16 outlier columns and their channel indices.
-
-The channels come from calibration (:func:`select_outlier_channels`, one index list per layer and head,
-stored once per layer) or are chosen at seal time per block (:func:`seal_time_channels`, indices stored
-per block). The paged cache and the kernels do not support this layout yet.
+:func:`quantize_with_outliers` / :func:`dequantize_with_outliers` are the quant-level entry points used by
+:mod:`kvpack.calibration.compare`; they produce exactly the cache's bytes (indices stored per block).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvpack.errors import ShapeError
+from kvpack.errors import CalibrationError, ShapeError
 from kvpack.formats import QuantSpec
-from kvpack.quant import QuantizedTensor, dequantize, quantize
+from kvpack.outliers import (
+    OutlierBlocks,
+    dequantize_outliers,
+    outlier_mask,
+    quantize_outliers,
+    seal_time_channels,
+)
 
 __all__ = [
     "OutlierQuantized",
+    "artifact_outlier_channels",
     "dequantize_with_outliers",
     "outlier_mask",
     "quantize_with_outliers",
     "seal_time_channels",
     "select_outlier_channels",
 ]
+
+OutlierQuantized = OutlierBlocks  # the name this module used before the cache stored outliers
 
 
 def select_outlier_channels(magnitude: torch.Tensor, k: int) -> torch.Tensor:
@@ -53,97 +55,40 @@ def select_outlier_channels(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return magnitude.float().topk(k, dim=-1).indices.sort(dim=-1).values
 
 
-def seal_time_channels(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest channels per head of each block, chosen at seal time.
+def artifact_outlier_channels(artifact, k: int, num_layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The calibrated outlier channels of every layer: ``[num_layers, kv_heads, k]`` int64, ascending.
+
+    Ranks channels by the artifact's observed key abs-max (``keys.absmax``, after RoPE).
 
     Args:
-        x: ``[..., kv_heads, block_size, head_dim]`` float.
+        artifact: a :class:`~kvpack.calibration.Artifact`.
+        k: channels kept per kv head.
+        num_layers, kv_heads, head_dim: the cache geometry the artifact must have been made for.
 
-    Returns:
-        ``[..., kv_heads, k]`` int64, ascending.
+    Raises:
+        CalibrationError: the artifact's key statistics have another shape (another model), or hold
+            non-finite values.
     """
-    if not 0 <= k <= x.shape[-1]:
-        raise ShapeError(f"k must be in [0, head_dim={x.shape[-1]}], got {k}")
-    return x.float().abs().amax(-2).topk(k, dim=-1).indices.sort(dim=-1).values
+    mag = artifact.keys.absmax
+    want = (num_layers, kv_heads, head_dim)
+    if tuple(mag.shape) != want:
+        raise CalibrationError(
+            f"the calibration artifact's key statistics have shape {tuple(mag.shape)}, this cache needs "
+            f"layers x kv_heads x head_dim = {want}: the artifact was made for another model; recalibrate"
+        )
+    if not bool(torch.isfinite(mag).all()):
+        raise CalibrationError("the calibration artifact's key abs-max holds non-finite values; recalibrate")
+    return torch.stack([select_outlier_channels(mag[layer], k) for layer in range(num_layers)])
 
 
-def outlier_mask(channels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Boolean ``like.shape`` ``[..., H, T, D]`` mask of the outlier channels (``channels`` ``[..., H, k]``
-    per block, or ``[H, k]`` shared by all blocks)."""
-    *lead, h, t, d = like.shape
-    idx = channels.to(like.device)
-    m = torch.zeros((*idx.shape[:-1], d), dtype=torch.bool, device=like.device)
-    m.scatter_(-1, idx, True)  # [..., H, D]
-    return m.unsqueeze(-2).expand(*lead, h, t, d)
+def quantize_with_outliers(x: torch.Tensor, spec: QuantSpec, channels: torch.Tensor | None = None) -> OutlierBlocks:
+    """Keep ``channels`` of ``x`` ``[..., kv_heads, block_size, head_dim]`` as fp16 residuals and quantize the
+    rest with ``spec`` (block-local scales), exactly as the cache seals: see
+    :func:`kvpack.outliers.quantize_outliers`. ``channels`` ``[kv_heads, k]`` or ``[..., kv_heads, k]``;
+    ``None`` chooses ``spec.outliers`` per block."""
+    return quantize_outliers(x, spec, channels)
 
 
-def _neutral_fill(x: torch.Tensor, mask: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``x`` with masked elements replaced by the smallest unmasked value of their scale group (0 where the
-    whole group is masked), so the remainder's scales ignore the outliers."""
-    h, t, d = x.shape[-3:]
-    hs, ts, cs = spec.scale_shape(h, t, d)
-    lead = x.shape[:-3]
-    grouped = torch.where(mask, torch.full_like(x, float("inf")), x).reshape(
-        *lead, hs, h // hs, ts, t // ts, cs, d // cs
-    )
-    fill = grouped.amin(dim=(-1, -3, -5), keepdim=True).expand_as(grouped).reshape(x.shape)
-    fill = torch.where(torch.isinf(fill), torch.zeros_like(fill), fill)
-    return torch.where(mask, fill, x)
-
-
-@dataclass
-class OutlierQuantized:
-    """A key block stored as dense outlier columns plus a quantized remainder.
-
-    Attributes:
-        rest: the remainder, ``[..., H, T, D]`` logical shape, the spec's normal layout.
-        outliers: ``[..., H, T, k]`` fp16, the kept columns.
-        channels: ``[H, k]`` (calibrated, shared by every block of a layer) or ``[..., H, k]`` (per block).
-        per_block_channels: whether the indices are stored with each block.
-    """
-
-    rest: QuantizedTensor
-    outliers: torch.Tensor
-    channels: torch.Tensor
-    per_block_channels: bool
-
-    @property
-    def index_bytes(self) -> int:
-        """Bytes of the channel indices: uint8 when head_dim <= 256, int16 otherwise."""
-        width = 1 if self.rest.head_dim <= 256 else 2
-        return self.channels.numel() * width
-
-    def nbytes(self, include_shared_indices: bool = False) -> int:
-        """Stored bytes of the blocks: remainder payload + scales + zero-points + fp16 outliers, plus the
-        indices when they are per block (or when ``include_shared_indices``)."""
-        n = self.rest.nbytes() + self.outliers.numel() * self.outliers.element_size()
-        if self.per_block_channels or include_shared_indices:
-            n += self.index_bytes
-        return n
-
-
-def quantize_with_outliers(
-    x: torch.Tensor, spec: QuantSpec, channels: torch.Tensor, outlier_dtype: torch.dtype = torch.float16
-) -> OutlierQuantized:
-    """Keep ``channels`` of ``x`` dense, quantize the rest with ``spec`` (block-local scales).
-
-    Args:
-        x: ``[..., kv_heads, block_size, head_dim]`` float (one or more blocks).
-        spec: the remainder's spec (not static).
-        channels: ``[kv_heads, k]`` or ``[..., kv_heads, k]`` int64 indices.
-        outlier_dtype: storage of the kept columns.
-    """
-    if channels.shape[-2] != x.shape[-3]:
-        raise ShapeError(f"channels {tuple(channels.shape)} do not match {x.shape[-3]} kv_heads")
-    mask = outlier_mask(channels, x)
-    rest = quantize(_neutral_fill(x.float(), mask, spec), spec)
-    idx = channels.to(x.device).unsqueeze(-2).expand(*x.shape[:-1], channels.shape[-1])
-    outliers = torch.gather(x, -1, idx).to(outlier_dtype)
-    return OutlierQuantized(rest, outliers.contiguous(), channels, per_block_channels=channels.dim() > 2)
-
-
-def dequantize_with_outliers(oq: OutlierQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Reconstruct ``[..., H, T, D]``: the dequantized remainder with the dense columns put back."""
-    x = dequantize(oq.rest, torch.float32)
-    idx = oq.channels.to(x.device).unsqueeze(-2).expand(*x.shape[:-1], oq.channels.shape[-1])
-    return x.scatter(-1, idx, oq.outliers.float()).to(dtype)
+def dequantize_with_outliers(oq: OutlierBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reconstruct ``[..., H, T, D]``: the dequantized payload with the residuals added at the kept channels."""
+    return dequantize_outliers(oq, dtype)

@@ -55,11 +55,12 @@ def spec_takes_static(spec: QuantSpec) -> bool:
 
 
 def _plain(spec: QuantSpec) -> QuantSpec:
-    return dataclasses.replace(spec, static=False)
+    return dataclasses.replace(spec, static=False, outliers=0)
 
 
 def same_quantization(a: QuantSpec, b: QuantSpec) -> bool:
-    """Same dtype, granularity, symmetry and scale dtype (the ``static`` flag aside)."""
+    """Same dtype, granularity, symmetry and scale dtype (the ``static`` flag and outlier channels aside:
+    the scales of the quantized remainder do not depend on them)."""
     return _plain(a) == _plain(b)
 
 

@@ -106,5 +106,9 @@ def run(args: argparse.Namespace) -> int:
         f"key abs-max per layer: {float(k_amax.min()):.3g} .. {float(k_amax.max()):.3g}; "
         f"value abs-max: {float(v_amax.min()):.3g} .. {float(v_amax.max()):.3g}"
     )
-    print(f"wrote {out}/ ({MANIFEST_NAME} + tensors); use it with format {json.dumps(fmt.spec_string())}")
+    print(
+        f"wrote {out}/ ({MANIFEST_NAME} + tensors); use it with format {json.dumps(fmt.name)}, e.g. "
+        f"`kvpack eval --formats {fmt.name} --calibration {out}` (other static formats get scales recomputed "
+        "from its statistics)"
+    )
     return 0

@@ -80,6 +80,13 @@ def add_parser(subparsers: Any) -> None:
         "contents through the model's own attention (labelled as such in the report)",
     )
     p.add_argument("--backend", default="auto", help="decode kernel backend of the kvpack engine")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="DIR",
+        help="calibration artifact of this model (kvpack calibrate --out DIR), for formats with calibrated "
+        "scales such as fp8@static (their scales are recomputed from its statistics)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(command="eval")
@@ -115,7 +122,13 @@ class _Bars:
 def config_from_args(args: argparse.Namespace):
     from kvpack.evaluation.suite import EvalConfig, quick_config
 
-    over: dict[str, Any] = {"model": args.model, "seed": args.seed, "engine": args.engine, "backend": args.backend}
+    over: dict[str, Any] = {
+        "model": args.model,
+        "seed": args.seed,
+        "engine": args.engine,
+        "backend": args.backend,
+        "calibration": args.calibration,
+    }
     for key in ("formats", "lengths", "depths", "kinds"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)

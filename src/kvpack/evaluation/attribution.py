@@ -94,7 +94,8 @@ def layer_sensitivity(
                 raise ConfigError(
                     f"layer {m.layer_idx}'s attention module got its cache positionally; cannot replay it"
                 )
-            kw[key] = SimulatedCache(layer_formats)
+            scales = [None if f is None else runner.scales_for(f) for f in layer_formats]
+            kw[key] = SimulatedCache(layer_formats, scales=scales)
             got = m(*args, **kw)[0]
             r, g = ref[:, start:].double(), got[:, start:].double()
             errs.append(float((g - r).norm() / r.norm().clamp_min(1e-30)))

@@ -172,9 +172,19 @@ class Runner:
         backend: decode kernel backend for the kvpack engine (``"auto"`` picks the fused kernel).
         zero_keys_for: test hook: names of formats planted broken, their sealed keys replaced by zeros
             (simulate engine only).
+        calibration: a :class:`~kvpack.calibration.Artifact` of this model: formats with ``static`` specs
+            (``fp8@static``) get scales recomputed from its statistics for their own specs
+            (:meth:`~kvpack.calibration.Artifact.rescaled`); without it such formats are refused.
     """
 
-    def __init__(self, lm: LoadedModel, engine: str = "auto", backend: str = "auto", zero_keys_for: Sequence[str] = ()):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        engine: str = "auto",
+        backend: str = "auto",
+        zero_keys_for: Sequence[str] = (),
+        calibration: Any = None,
+    ):
         if engine == "auto":
             engine = "kvpack" if not engine_available("kvpack") else "simulate"
         reasons = engine_available(engine)
@@ -186,6 +196,8 @@ class Runner:
         self.engine = engine
         self.backend = backend
         self.zero_keys_for = frozenset(zero_keys_for)
+        self.calibration = calibration
+        self._scales: dict[str, Any] = {}
         self.template = PromptTemplate.for_tokenizer(lm.tokenizer)
         # transformers 5.24 renamed the forward's past_key_values to cache; take whichever this version has
         params = inspect.signature(lm.model.forward).parameters
@@ -211,17 +223,45 @@ class Runner:
         if layer_formats is not None:
             from kvpack.evaluation.simulate import SimulatedCache
 
-            return SimulatedCache(list(layer_formats))
+            layer_formats = list(layer_formats)
+            scales = [None if f is None else self.scales_for(f) for f in layer_formats]
+            return SimulatedCache(layer_formats, scales=scales)
         if fmt is None:
             return DynamicCache()
         fmt = parse_format(fmt)
+        scales = self.scales_for(fmt)
         if self.engine == "simulate":
             from kvpack.evaluation.simulate import SimulatedCache
 
-            return SimulatedCache([fmt] * self.lm.num_layers, zero_keys=fmt.name in self.zero_keys_for)
-        cache = _cache_for()(self.lm.model, format=fmt, max_tokens=max_tokens, batch_size=1, backend=self.backend)
+            n = self.lm.num_layers
+            return SimulatedCache([fmt] * n, zero_keys=fmt.name in self.zero_keys_for, scales=[scales] * n)
+        extra = {} if scales is None else {"calibration": scales}
+        cache = _cache_for()(
+            self.lm.model, format=fmt, max_tokens=max_tokens, batch_size=1, backend=self.backend, **extra
+        )
         self._use_attention(self.lm.attn_implementation)  # switched back and forth per call
         return cache
+
+    def scales_for(self, fmt: KVFormat) -> Any:
+        """The calibrated scales of a format with ``static`` specs (``None`` for any other format).
+
+        Raises:
+            ConfigError: the format is static and the runner has no calibration artifact.
+        """
+        if not fmt.is_static:
+            return None
+        if self.calibration is None:
+            raise ConfigError(
+                f"format {fmt.name!r} takes calibrated scales and no calibration artifact was given; run "
+                "`kvpack calibrate --out DIR` and pass --calibration DIR"
+            )
+        key = fmt.spec_string()
+        if key not in self._scales:
+            from kvpack.calibration.run import default_source
+
+            art = self.calibration.rescaled(fmt, source=default_source(fmt))
+            self._scales[key] = art.scales_for(fmt)
+        return self._scales[key]
 
     def _is_kvpack(self, cache: Any) -> bool:
         return type(cache).__name__ == "KVPackCache"

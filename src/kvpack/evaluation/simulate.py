@@ -13,22 +13,30 @@ integration does not support yet. It is labelled ``simulate`` wherever its numbe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.calibration.static import LayerScales, seal_with_static
+from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
-from kvpack.quant import dequantize, quantize
+from kvpack.outliers import dequantize_outliers, quantize_outliers
+from kvpack.quant import dequantize, quantize, scale_torch_dtype
+
+if TYPE_CHECKING:
+    from kvpack.calibration.artifact import CalibratedScales
 
 __all__ = ["SimulatedCache", "roundtrip_blocks"]
 
 
-def roundtrip_blocks(x: torch.Tensor, spec, block_size: int) -> torch.Tensor:
+def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales | None = None) -> torch.Tensor:
     """Quantize and dequantize whole blocks of ``x``.
 
     Args:
         x: ``[batch, kv_heads, n * block_size, head_dim]``, float.
         spec: the :class:`kvpack.formats.QuantSpec` of the blocks.
         block_size: tokens per block.
+        scales: the layer's calibrated scales when ``spec`` is static (required then).
 
     Returns:
         The reconstructed ``[batch, kv_heads, n * block_size, head_dim]`` in ``x.dtype``.
@@ -36,7 +44,21 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int) -> torch.Tensor:
     b, h, t, d = x.shape
     n = t // block_size
     blocks = x.reshape(b, h, n, block_size, d).permute(0, 2, 1, 3, 4)  # [batch, n, H, B, D]
-    rec = dequantize(quantize(blocks, spec), torch.float32)
+    flat = blocks.reshape(b * n, h, block_size, d)
+    if spec.static and scales is None:
+        raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
+    if spec.outliers:  # channels chosen per block at seal time, as the paged cache does without calibration
+        scale = zero = None
+        if spec.static:
+            want = spec.scale_shape(h, 1, d)
+            scale = scales.scale.to(scale_torch_dtype(spec.scale_dtype)).unsqueeze(0).expand(b * n, *want)
+            zero = None if scales.zero is None else scales.zero.unsqueeze(0).expand(b * n, *want)
+        rec = dequantize_outliers(quantize_outliers(flat, spec, scale=scale, zero=zero))
+    elif spec.static:
+        rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
+    else:
+        rec = dequantize(quantize(flat, spec), torch.float32)
+    rec = rec.reshape(b, n, h, block_size, d)
     return rec.permute(0, 2, 1, 3, 4).reshape(b, h, t, d).to(x.dtype)
 
 
@@ -46,10 +68,18 @@ def _layer_class():
     class SimulatedLayer(DynamicLayer):
         """A DynamicLayer that seals every completed block with the format's quantize -> dequantize."""
 
-        def __init__(self, fmt: KVFormat | None, zero_keys: bool = False):
+        def __init__(
+            self,
+            fmt: KVFormat | None,
+            zero_keys: bool = False,
+            key_scales: LayerScales | None = None,
+            value_scales: LayerScales | None = None,
+        ):
             super().__init__()
             self.fmt = fmt
             self.zero_keys = zero_keys
+            self.key_scales = key_scales
+            self.value_scales = value_scales
             self.sealed = 0  # tokens already replaced by their reconstruction
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -60,10 +90,10 @@ def _layer_class():
             full = keys.shape[-2] // b * b
             if full > self.sealed:
                 s = slice(self.sealed, full)
-                k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b)
+                k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b, self.key_scales)
                 if self.zero_keys:  # the planted broken format of the tests
                     k_rec = torch.zeros_like(k_rec)
-                v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b)
+                v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b, self.value_scales)
                 self.keys = torch.cat([keys[..., : self.sealed, :], k_rec, keys[..., full:, :]], dim=-2)
                 self.values = torch.cat([values[..., : self.sealed, :], v_rec, values[..., full:, :]], dim=-2)
                 self.sealed = full
@@ -79,14 +109,28 @@ def _layer_class():
     return SimulatedLayer
 
 
-def SimulatedCache(formats: Sequence[KVFormat | None], zero_keys: bool = False):
+def SimulatedCache(
+    formats: Sequence[KVFormat | None],
+    zero_keys: bool = False,
+    scales: Sequence[CalibratedScales | None] | None = None,
+):
     """A transformers ``Cache`` with one simulated layer per entry of ``formats`` (``None``: full precision).
 
     Args:
         formats: one format per model layer.
         zero_keys: test hook: sealed keys become zeros (a planted broken format that must be caught).
+        scales: one entry per layer: the calibrated scales of a static format (layer ``i`` takes its own
+            layer's scales), ``None`` for others.
     """
     from transformers.cache_utils import Cache
 
     layer = _layer_class()
-    return Cache(layers=[layer(f, zero_keys) for f in formats])
+    scales = list(scales) if scales is not None else [None] * len(formats)
+    if len(scales) != len(formats):
+        raise ConfigError(f"{len(scales)} scale entries for {len(formats)} layers; give one per layer (or None)")
+    layers = []
+    for i, (f, sc) in enumerate(zip(formats, scales, strict=True)):
+        ks = sc.key.layer(i) if sc is not None and sc.key is not None else None
+        vs = sc.value.layer(i) if sc is not None and sc.value is not None else None
+        layers.append(layer(f, zero_keys, ks, vs))
+    return Cache(layers=layers)

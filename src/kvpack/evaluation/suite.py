@@ -55,6 +55,8 @@ class EvalConfig:
         draft_tokens: draft tokens per verification.
         engine: ``auto``, ``kvpack`` or ``simulate`` (see :class:`~kvpack.evaluation.runner.Runner`).
         backend: kvpack's decode kernel backend.
+        calibration: a calibration artifact folder (``kvpack calibrate --out DIR``) of this model; formats
+            with calibrated scales (``fp8@static``) need it and get scales recomputed from its statistics.
     """
 
     model: str | None = None
@@ -74,6 +76,7 @@ class EvalConfig:
     draft_tokens: int = 4
     engine: str = "auto"
     backend: str = "auto"
+    calibration: str | None = None
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming every bad field."""
@@ -339,10 +342,20 @@ def run_eval(
 
         lm = load(cfg.model)
     timings["load"] = time.perf_counter() - t0
-    runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, **runner_kw)
     formats = {name: parse_format(name) for name in cfg.formats}
     for fmt in formats.values():
         fmt.check(lm.head_dim)
+    static = [name for name, fmt in formats.items() if fmt.is_static]
+    artifact = None
+    if cfg.calibration is not None:
+        from kvpack.calibration import load_artifact
+
+        artifact = load_artifact(cfg.calibration, model=lm.model)  # refuses another model's artifact
+    elif static:
+        raise ConfigError(
+            f"formats {static} take calibrated scales; run `kvpack calibrate --out DIR` and pass --calibration DIR"
+        )
+    runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, calibration=artifact, **runner_kw)
     too_long = [n for n in cfg.lengths if lm.max_context and n + 64 > lm.max_context]
     if too_long:
         raise ConfigError(
@@ -363,6 +376,14 @@ def run_eval(
         },
         "formats": _format_facts(formats, lm, cfg.lengths),
     }
+    if artifact is not None:
+        results["calibration"] = {
+            "path": str(cfg.calibration),
+            "made_for": artifact.format.name,
+            "source_per_format": {n: runner.scales_for(f).key.source for n, f in formats.items() if f.key.static},
+            "data": {k: v for k, v in artifact.data.items() if k != "offsets"},
+            "kvpack_version": artifact.kvpack_version,
+        }
 
     measured: dict[str, int] = {}
     t = time.perf_counter()

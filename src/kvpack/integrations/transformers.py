@@ -195,6 +195,11 @@ class KVPackCache(Cache):
             saying why), ``"cpu"``, ``"triton"`` or ``"reference"``.
         tail_dtype: dtype of the full-precision tail; default the dtype of the first keys.
         num_blocks: override the pool size (blocks, the null block included).
+        calibration: a calibration artifact (its directory, or a loaded :class:`~kvpack.calibration.Artifact`,
+            checked against ``config``'s fingerprint) or :class:`~kvpack.calibration.CalibratedScales`: the
+            static scales of a format with ``static`` specs (required for one: refused here, before anything
+            runs, when missing) and the outlier key channels of a format with ``o<N>`` keys (otherwise chosen
+            per block at seal time). Passed to :class:`~kvpack.cache.PagedKVCache`.
 
     Attributes:
         fused_decode_calls: decode-attention calls (one per layer per step) that ran a fused kernel.
@@ -212,10 +217,14 @@ class KVPackCache(Cache):
         backend: str = "auto",
         tail_dtype: torch.dtype | None = None,
         num_blocks: int | None = None,
+        calibration: Any = None,
     ) -> None:
         self.format = parse_format(format)
         self.num_layers, self.kv_heads, self.head_dim, self.windows = model_geometry(config)
         self.format.check(self.head_dim)
+        self.calibration = _resolve_calibration(
+            calibration, config, self.format, self.num_layers, self.kv_heads, self.head_dim
+        )
         cfg = _text_config(config)
         if max_tokens is None:
             max_tokens = min(
@@ -260,6 +269,7 @@ class KVPackCache(Cache):
             tail_dtype=self.tail_dtype or dtype,
             device=device,
             window=self.windows,
+            calibration=self.calibration,
         )
 
     @_plain_tensors
@@ -421,6 +431,31 @@ class KVPackCache(Cache):
         )
 
 
+def _resolve_calibration(
+    calibration: Any, config: PreTrainedConfig, fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int
+) -> Any:
+    """The calibration a :class:`KVPackCache` hands its paged cache, loaded and checked now (fail closed).
+
+    A path is loaded with :func:`~kvpack.calibration.load_artifact` and an :class:`Artifact` is checked
+    against the model fingerprint; then everything the paged cache would refuse at its first update (a
+    static format without scales, an artifact the format ignores, scales or statistics of another shape) is
+    refused here, before the model runs.
+    """
+    from pathlib import Path
+
+    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels
+    from kvpack.calibration.artifact import Artifact, load_artifact
+
+    if isinstance(calibration, (str, Path)):
+        calibration = load_artifact(calibration, model=config)
+    elif isinstance(calibration, Artifact):
+        calibration.check_model(config)
+    cpu = torch.device("cpu")
+    resolve_calibration(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+    resolve_outlier_channels(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+    return calibration
+
+
 def cache_for(
     model: Any,
     format: str | KVFormat = "int4",
@@ -429,6 +464,7 @@ def cache_for(
     *,
     backend: str = "auto",
     num_blocks: int | None = None,
+    calibration: Any = None,
 ) -> KVPackCache:
     """A :class:`KVPackCache` for ``model``, and the model switched to ``attn_implementation="kvpack"``.
 
@@ -444,10 +480,15 @@ def cache_for(
             included, are always covered).
         backend: decode backend, ``"auto"`` by default (the fused kernel, else the reference with a warning).
         num_blocks: override the pool size in blocks.
+        calibration: a calibration artifact directory (``kvpack calibrate --out DIR``) or a loaded
+            :class:`~kvpack.calibration.Artifact`: static scales for a ``static`` format, outlier key channels
+            for a format with ``o<N>`` keys (e.g. ``"fp8-o4"``); see :class:`KVPackCache`.
 
     Raises:
         UnsupportedError: the model has layers kvpack cannot store (linear or chunked attention).
         FormatError: the format cannot store this head_dim.
+        CalibrationError: a static format without an artifact, an artifact for another model, or one the
+            format would ignore.
     """
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
@@ -459,6 +500,7 @@ def cache_for(
         backend=backend,
         tail_dtype=getattr(model, "dtype", None),
         num_blocks=num_blocks,
+        calibration=calibration,
     )
     if previous != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)

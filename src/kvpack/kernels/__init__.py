@@ -3,6 +3,8 @@
 Backends: ``reference`` (torch oracle, the slow last resort), ``cpu`` (fused and compiled, needs numba),
 ``triton`` (GPU; runs under the Triton interpreter in tests). Each backend module exposes
 ``reasons_unsupported(q, kv, window) -> list[str]`` and ``decode_attention(q, kv, sm_scale, window, out)``.
+A backend that applies outlier key channels (``kv.k_outlier``) says so with ``SUPPORTS_OUTLIERS = True``;
+one that does not is never handed such a cache (the dispatcher adds :data:`OUTLIER_REASON`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import torch
 from kvpack.errors import UnsupportedError
 from kvpack.kernels.views import PagedKV
 
-__all__ = ["BACKENDS", "PagedKV", "backend_reasons", "choose_backend", "decode_attention"]
+__all__ = ["BACKENDS", "OUTLIER_REASON", "PagedKV", "backend_reasons", "choose_backend", "decode_attention"]
 
 BACKENDS = {
     "reference": "kvpack.kernels.reference",
     "cpu": "kvpack.kernels.cpu",
     "triton": "kvpack.kernels.triton_decode",
 }
+
+OUTLIER_REASON = "outlier key channels (k_outlier) are not supported by this backend"
 
 _warned: set[tuple[str, str]] = set()
 
@@ -39,7 +43,10 @@ def backend_reasons(name: str, q: torch.Tensor, kv: PagedKV, window: int | None 
     except ImportError as e:
         extra = {"cpu": "cpu", "triton": "triton"}.get(name, "")
         return [f"backend {name!r} is not installed ({e}); pip install 'kvpack[{extra}]'"]
-    return list(mod.reasons_unsupported(q, kv, window))
+    reasons = list(mod.reasons_unsupported(q, kv, window))
+    if kv.k_outlier is not None and not getattr(mod, "SUPPORTS_OUTLIERS", False):
+        reasons.append(OUTLIER_REASON)
+    return reasons
 
 
 def choose_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None, backend: str = "auto") -> str:

@@ -12,6 +12,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.kernels.views import PagedKV
+from kvpack.outliers import apply_residual
 from kvpack.quant import QuantizedTensor, dequantize
 
 __all__ = ["decode_attention", "dense_history", "paged_attention_reference", "reasons_unsupported"]
@@ -20,16 +21,17 @@ __all__ = ["decode_attention", "dense_history", "paged_attention_reference", "re
 def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized keys and values of sequence ``row``: two ``[H, seq_len, D]`` float32 tensors.
 
-    Positions of released (out-of-window) blocks come back as zeros.
+    Positions of released (out-of-window) blocks come back as zeros. Keys of a format with outlier
+    channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`).
     """
     n = int(kv.seq_lens[row])
     b = kv.block_size
     nb, tail = divmod(n, b)
     ids = kv.block_tables[row, :nb].long()
     out = []
-    for data, scale, zero, spec, tail_x in (
-        (kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k),
-        (kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v),
+    for role, data, scale, zero, spec, tail_x in (
+        ("key", kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k),
+        ("value", kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v),
     ):
         qt = QuantizedTensor(
             data[ids],
@@ -39,10 +41,22 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
             kv.head_dim,
         )
         x = dequantize(qt)  # [nb, H, B, D]
+        if role == "key" and kv.k_outlier is not None:
+            x = _with_residuals(x, kv, ids)
         x = torch.where((ids == 0).view(-1, 1, 1, 1), torch.zeros_like(x), x)
         x = x.permute(1, 0, 2, 3).reshape(kv.kv_heads, nb * b, kv.head_dim)
         out.append(torch.cat([x, tail_x[row, :, :tail].float()], dim=1))
     return out[0], out[1]
+
+
+def _with_residuals(x: torch.Tensor, kv: PagedKV, ids: torch.Tensor) -> torch.Tensor:
+    """Dequantized keys ``[nb, H, B, D]`` of blocks ``ids`` with their outlier residuals added."""
+    null = (ids == 0).view(-1, 1, 1)
+    k = kv.k_outlier.shape[-1]
+    # the null block's indices and residuals are never meaningful: read channels 0..k-1 and add zero there
+    idx = torch.where(null, torch.arange(k, device=x.device).view(1, 1, k), kv.k_outlier_idx[ids].long())
+    res = torch.where(null.unsqueeze(-1), torch.zeros((), dtype=torch.float16, device=x.device), kv.k_outlier[ids])
+    return apply_residual(x, res, idx)
 
 
 def check_query(q: torch.Tensor, kv: PagedKV) -> None:
@@ -108,6 +122,9 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
         out[row] = (probs @ v).transpose(0, 1)
     return out.to(q.dtype)
+
+
+SUPPORTS_OUTLIERS = True
 
 
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:

@@ -44,6 +44,11 @@ class PagedKV:
         start_pos: optional ``[batch]``, dtype ``torch.int32``: positions before it are never attended (left
             padding in a batch); combined with a sliding window, a query at ``p`` attends positions in
             ``[max(start_pos, p - window + 1), p]``. ``None`` means 0 for every sequence.
+        k_outlier: ``[num_blocks, H, B, k]``, dtype ``torch.float16``: for a key spec with ``outliers=k``, the
+            residual ``x - dequantize(payload)`` at the block's kept channels; ``None`` when the format has none.
+        k_outlier_idx: ``[num_blocks, H, k]``, dtype ``torch.uint8`` (``torch.int16`` when ``D > 256``): the
+            kept channels of each block and head, ascending. Keys are ``dequantize(payload)`` with
+            ``k[..., idx] += k_outlier.float()``, so a score is ``q . deq(k_t) + sum_j q[idx_j] * r[t, j]``.
     """
 
     format: KVFormat
@@ -59,6 +64,8 @@ class PagedKV:
     tail_k: torch.Tensor
     tail_v: torch.Tensor
     start_pos: torch.Tensor | None = None
+    k_outlier: torch.Tensor | None = None
+    k_outlier_idx: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
