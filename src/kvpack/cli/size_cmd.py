@@ -134,7 +134,7 @@ def render(p) -> str:
     out += _table(rows, right=set(range(1, len(header))))
     out += [
         "",
-        "bytes/token: sealed blocks only (payload + scales + zero-points + padding, all layers);",
+        "bytes/token: sealed blocks only (payload + scales + zero-points + padding + outlier residuals, all layers);",
         f"cache {unit}: sealed blocks plus each sequence's fp16 tail of one block per layer (tail included);",
         "saving: fp16 cache / this cache.",
     ]
