@@ -225,7 +225,7 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     d = 64 if smoke else 128
     lengths = [1, 15, 17, 50] if smoke else [1, 63, 65, 1000, 4097]
     block = 16 if smoke else 64
-    formats = ["fp16", "int8", "int4", "kivi2"] if smoke else ["fp16", "int8", "fp8", "int4", "k8v4", "kivi2"]
+    formats = ["fp16", "int8", "int4", "kivi2"] if smoke else ["fp16", "int8", "fp8", "fp8-o4", "int4", "k8v4", "kivi2"]
     for i, name in enumerate(formats):
         fmt = parse_format(f"{name},block={block}")
         # bf16 queries on a GPU only: the interpreter's bf16 dot is wrong (the tests patch it, see there)

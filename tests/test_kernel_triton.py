@@ -57,7 +57,7 @@ def _guarded(t: torch.Tensor, guard: int = 64) -> torch.Tensor:
 
 def _guard_all(kv: PagedKV) -> PagedKV:
     fields = ["k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero", "block_tables", "seq_lens"]
-    fields += ["tail_k", "tail_v", "start_pos"]
+    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx"]
     return replace(kv, **{f: _guarded(getattr(kv, f)) for f in fields if getattr(kv, f) is not None})
 
 
@@ -98,13 +98,14 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    "name", ["fp16", "bf16", "int8", "fp8", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32"]
+    "name",
+    ["fp16", "bf16", "int8", "fp8", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32", "fp8-o4", "int4-o4"],
 )
 def test_presets_match_reference(name):
     _run(name, [1, 15, 17, 50], num_splits=None)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "fp8"])
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "fp8", "int4-o4"])
 def test_split_context_merges_exactly(name):
     _run(name, [1, 15, 17, 83], num_splits=3)
 
@@ -234,7 +235,8 @@ from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 from kvpack.testing import random_paged_kv
 from kvpack.kernels import triton_decode as td, triton_seal as ts
 out = []
-for name, qdt in [("int8", torch.float16), ("int4", torch.bfloat16), ("kivi2", torch.float16), ("fp8", torch.float16)]:
+cases = [("int8", torch.float16), ("int4", torch.bfloat16), ("kivi2", torch.float16), ("fp8", torch.float16)]
+for name, qdt in cases + [("fp8-o4", torch.float16)]:
     fmt = parse_format(name)
     kv, _, _ = random_paged_kv(fmt, [300, 70], kv_heads=8, head_dim=128, tail_dtype=qdt)
     q = torch.randn(2, 32, 128, dtype=qdt)
@@ -260,7 +262,7 @@ def test_kernels_compile_for_hopper_without_spills():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     usage = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(usage) == 10
+    assert len(usage) == 12
     for u in usage:
         assert u["registers"] > 0, u
         assert u["local"] == 0, f"register spills: {u}"

@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scores inside the kernel
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains in parallelism
 MAX_SPLITS = 64
@@ -191,6 +192,23 @@ def _check_pool(name: str, data: torch.Tensor, scale, zero, spec: QuantSpec, kv:
             raise ShapeError(f"{name}_{what} has {t.shape[0]} blocks but {name}_data has {data.shape[0]}")
 
 
+def _check_outliers(kv: PagedKV) -> None:
+    n = kv.format.key.outliers
+    if (kv.k_outlier is None) != (kv.k_outlier_idx is None) or (n > 0) != (kv.k_outlier is not None):
+        raise ShapeError(
+            f"the key spec keeps {n} outlier channels: k_outlier and k_outlier_idx must both be "
+            + ("given" if n else "None")
+        )
+    if kv.k_outlier is None:
+        return
+    h, b, nb = kv.kv_heads, kv.block_size, kv.k_data.shape[0]
+    r, i = kv.k_outlier, kv.k_outlier_idx
+    if tuple(r.shape) != (nb, h, b, n) or r.dtype != torch.float16 or r.stride(-1) != 1:
+        raise ShapeError(f"k_outlier must be [{nb}, {h}, {b}, {n}] float16, contiguous, got {tuple(r.shape)} {r.dtype}")
+    if tuple(i.shape) != (nb, h, n) or i.dtype not in (torch.uint8, torch.int16) or i.stride(-1) != 1:
+        raise ShapeError(f"k_outlier_idx must be [{nb}, {h}, {n}] uint8 or int16, got {tuple(i.shape)} {i.dtype}")
+
+
 def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
     if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != d or q.shape[1] % h:
@@ -211,8 +229,13 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
         raise ShapeError(f"seq_lens must be [batch={batch}] int32, got {tuple(kv.seq_lens.shape)} {kv.seq_lens.dtype}")
     if kv.start_pos is not None and (kv.start_pos.dtype != torch.int32 or tuple(kv.start_pos.shape) != (batch,)):
         raise ShapeError(f"start_pos must be [batch={batch}] int32, got {tuple(kv.start_pos.shape)}")
+    _check_outliers(kv)
     tensors = [kv.k_data, kv.v_data, kv.block_tables, kv.seq_lens, kv.tail_k, kv.tail_v]
-    tensors += [t for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos) if t is not None]
+    tensors += [
+        t
+        for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos, kv.k_outlier, kv.k_outlier_idx)
+        if t is not None
+    ]
     for t in tensors:
         if t.device != q.device:
             raise ShapeError(f"every cache tensor must be on q's device {q.device}, found one on {t.device}")
@@ -244,6 +267,14 @@ def _scale_args(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
     if t is None:
         return (fallback, 0, 0, 0, 0)
     return (t, t.stride(0), *(t.stride(i) if t.shape[i] > 1 else 0 for i in (1, 2, 3)))
+
+
+def _outlier_args(kv: PagedKV) -> tuple:
+    """Residual and index pointers and strides of the outlier key channels (the payload, unread, without)."""
+    if kv.k_outlier is None:
+        return (kv.k_data, 0, 0, 0, kv.k_data, 0, 0)
+    r, i = kv.k_outlier, kv.k_outlier_idx
+    return (r, r.stride(0), r.stride(1), r.stride(2), i, i.stride(0), i.stride(1))
 
 
 def launch_config(head_dim: int, block_size: int, group: int) -> dict[str, int]:
@@ -298,6 +329,7 @@ def plan(
     else:
         acc = ml = result  # not read
     kc = spec_constants(kv.format.key, h, b, d)
+    n_out = 0 if kv.k_outlier is None else kv.k_outlier.shape[-1]
     vc = spec_constants(kv.format.value, h, b, d)
     start = kv.start_pos if kv.start_pos is not None else kv.seq_lens  # not read without start_pos
     args = [
@@ -308,6 +340,7 @@ def plan(
         kv.v_data, kv.v_data.stride(0), kv.v_data.stride(1), kv.v_data.stride(2),
         *_scale_args(kv.v_scale, kv.v_data),
         *_scale_args(kv.v_zero, kv.v_data),
+        *_outlier_args(kv),
         kv.block_tables, kv.block_tables.stride(0),
         kv.seq_lens, start,
         kv.tail_k, kv.tail_k.stride(0), kv.tail_k.stride(1), kv.tail_k.stride(2),
@@ -327,6 +360,8 @@ def plan(
         "HAS_WINDOW": window is not None,
         **{f"K_{n}": v for n, v in kc.items()},
         **{f"V_{n}": v for n, v in vc.items()},
+        "N_OUT": n_out,
+        "BLOCK_O": max(2, _next_pow2(n_out)),
         # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate.
         "DOT": {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype],
     }

@@ -222,6 +222,8 @@ def paged_decode_kernel(
     vd_ptr, svd_n, svd_h, svd_t,
     vs_ptr, svs_n, svs_h, svs_t, svs_c,
     vz_ptr, svz_n, svz_h, svz_t, svz_c,
+    ko_ptr, sko_n, sko_h, sko_t,  # k_outlier [num_blocks, H, B, N_OUT] fp16 residuals (unused when N_OUT == 0)
+    ki_ptr, ski_n, ski_h,  # k_outlier_idx [num_blocks, H, N_OUT] channel indices
     bt_ptr, sbt_b,  # block_tables [batch, max_blocks] int32
     seq_ptr, start_ptr,  # seq_lens [batch] int32, start_pos [batch] int32
     tk_ptr, stk_b, stk_h, stk_t,  # tail_k [batch, H, B, D]
@@ -236,6 +238,7 @@ def paged_decode_kernel(
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
+    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
     DOT: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
@@ -306,6 +309,14 @@ def paged_decode_kernel(
                              2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
                              3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+        if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
+            offs_o = tl.arange(0, BLOCK_O)
+            o_mask = offs_o < N_OUT
+            idx = tl.load(ki_ptr + blk * ski_n + pid_h * ski_h + offs_o, mask=o_mask, other=0).to(tl.int32)
+            qo = tl.load(q_rows + idx[None, :], mask=g_mask[:, None] & o_mask[None, :], other=0.0)
+            r = tl.load(ko_ptr + blk * sko_n + pid_h * sko_h + offs_t[:, None] * sko_t + offs_o[None, :],
+                        mask=o_mask[None, :], other=0.0)
+            s += tl.sum((qo.to(tl.float32) * qk_scale)[:, None, :] * r.to(tl.float32)[None, :, :], axis=2)
         s = tl.where((i * BLOCK_SIZE + offs_t >= lo)[None, :], s, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(DOT)
