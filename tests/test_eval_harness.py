@@ -209,7 +209,7 @@ def test_static_variants_refuse_another_models_artifact(calibration_dir):
 
 
 def test_static_and_outlier_variants_agree_across_engines(lm, calibration_dir):
-    names = ["fp16", "fp8@static", "fp8-o4", "int4-o4"]
+    names = ["fp16", "fp8@static", "fp8-o4", "int4-o4", "fp8-rot"]
     kw = dict(formats=names, lengths=[384], attribution=[], sensitivity_tokens=0, speculative_tokens=0)
     real = run_eval(small_config(engine="kvpack", calibration=calibration_dir, **kw), lm=lm)
     sim = run_eval(small_config(calibration=calibration_dir, **kw), lm=lm)

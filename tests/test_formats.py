@@ -37,6 +37,7 @@ EXPECTED_BITS = {
     "fp8_e5m2": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),
     # + 4 key channels per head kept: fp16 residuals per token (4 x 16 bits) and a uint8 index each per block
     "fp8-o4": Fraction(8) + Fraction(2 * H * 2 * 8 + H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),
+    "fp8-rot": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # the rotation is a function of head_dim
     "int8": Fraction(8.1875),
     "int4": Fraction(4.75),
     "int4-o4": Fraction(4.75) + Fraction(H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),  # int4 + 4 fp16 residuals

@@ -215,6 +215,13 @@ class QuantSpec:
     channels (``[kv_heads, block_size, k]``) and the ascending channel indices (``[kv_heads, k]``, uint8, or
     int16 when head_dim > 256). The channels are the block's ``k`` largest by abs-max, chosen at seal time,
     or a calibration artifact's top-k per layer and head (copied into each block). ``0 < k < head_dim``.
+
+    ``rotate=True`` (keys only) stores keys multiplied by a fixed orthogonal matrix ``R`` (a random-sign
+    Hadamard, :func:`kvpack.rotation.key_rotation`; head_dim a power of two): ``k @ R`` spreads a few
+    outlier channels over all of them, so per-head scales and fp8's relative error treat every channel
+    alike. Scores are unchanged (``q . k = (q @ R) . (k @ R)``): kernels read the stored keys with a rotated
+    query. Costs no bytes; not combinable with ``static`` scales or ``outliers`` (both are chosen per
+    channel of the unrotated keys).
     """
 
     dtype: DType
@@ -223,6 +230,7 @@ class QuantSpec:
     scale_dtype: ScaleDType = ScaleDType.FP16
     static: bool = False
     outliers: int = 0
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -240,7 +248,16 @@ class QuantSpec:
                 raise FormatError(f"{self.dtype.value} is stored as is and takes no granularity")
             if self.static:
                 raise FormatError(f"{self.dtype.value} is stored as is and has no scales to calibrate; drop 'static'")
+            if self.rotate:
+                raise FormatError(f"{self.dtype.value} is stored as is: a rotation would change nothing; drop 'rot'")
             return
+        if self.rotate and (self.static or self.outliers):
+            raise FormatError(
+                "'rot' cannot be combined with "
+                + ("'static' scales" if self.static else f"'o{self.outliers}' outlier channels")
+                + ": both are chosen per channel of the unrotated keys; rotation is the other answer to the same "
+                "outliers, so pick one"
+            )
         if not isinstance(self.granularity, Granularity):
             raise FormatError(f"{self.dtype.value} needs a granularity: one of tensor, head, channel, token, g<N>")
         if self.dtype.is_fp8 and not self.symmetric:
@@ -334,6 +351,8 @@ class QuantSpec:
         else:
             if self.granularity is not None:
                 reasons += self.granularity.reasons_invalid(head_dim)
+            if self.rotate and head_dim & (head_dim - 1):
+                reasons.append(f"'rot' (a Hadamard rotation) needs a power-of-two head_dim, got {head_dim}")
             if self.outliers and self.outliers >= head_dim:
                 reasons.append(
                     f"{self.outliers} outlier channels leave nothing to quantize at head_dim {head_dim}; "
@@ -352,6 +371,8 @@ class QuantSpec:
             parts.append("static")
         if self.outliers:
             parts.append(f"o{self.outliers}")
+        if self.rotate:
+            parts.append("rot")
         return ":".join(parts)
 
 
@@ -367,6 +388,11 @@ class KVFormat:
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise FormatError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.value.rotate:
+            raise FormatError(
+                "'rot' rotates keys only (values carry no outlier channels worth spreading, and their per-token "
+                "scales already adapt); move 'rot' to the key spec"
+            )
         if self.value.outliers:
             raise FormatError(
                 f"outlier channels are kept for keys only (a value spec with o{self.value.outliers}): key channels "
@@ -470,7 +496,7 @@ class KVFormat:
 
 
 def _static_spec(spec: QuantSpec) -> QuantSpec:
-    if spec.is_passthrough or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
+    if spec.is_passthrough or spec.rotate or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
         return spec
     return dataclasses.replace(spec, static=True)
 
@@ -481,8 +507,10 @@ def _static_spec(spec: QuantSpec) -> QuantSpec:
 _FP16 = ScaleDType.FP16
 
 
-def _spec(dtype: DType, gran: Granularity | None = None, sym: bool = True, outliers: int = 0) -> QuantSpec:
-    return QuantSpec(dtype, gran, sym, _FP16, outliers=outliers)
+def _spec(
+    dtype: DType, gran: Granularity | None = None, sym: bool = True, outliers: int = 0, rotate: bool = False
+) -> QuantSpec:
+    return QuantSpec(dtype, gran, sym, _FP16, outliers=outliers, rotate=rotate)
 
 
 def _same(spec: QuantSpec, name: str) -> KVFormat:
@@ -497,6 +525,10 @@ PRESETS: dict[str, KVFormat] = {
     # fp8 with the 4 largest key channels per head kept as fp16 residuals (chosen per block at seal time)
     "fp8-o4": KVFormat(
         _spec(DType.FP8_E4M3, PerHead(), outliers=4), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8-o4"
+    ),
+    # fp8 with keys stored rotated by a random-sign Hadamard (no extra bytes; kvpack.rotation)
+    "fp8-rot": KVFormat(
+        _spec(DType.FP8_E4M3, PerHead(), rotate=True), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8-rot"
     ),
     "int8": KVFormat(_spec(DType.INT8, PerChannel()), _spec(DType.INT8, PerToken()), 64, name="int8"),
     "int4": KVFormat(
@@ -546,7 +578,8 @@ SYNTAX_HELP = (
     "'k=SPEC,v=SPEC[,block=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
     "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
-    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals. "
+    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals, and 'rot' "
+    "(keys only) to store keys rotated by a fixed Hadamard matrix. "
     "Append '@static' to a format for calibrated scales wherever a spec can take them ('fp8@static'). "
     "Examples: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64', 'k=fp8:head:o4,v=fp8:head'"
 )
@@ -559,6 +592,8 @@ def _help() -> str:
 def _field_kind(field: str, is_group: bool) -> str | None:
     if field == "static":
         return "static"
+    if field in ("rot", "rotate"):
+        return "rotation"
     if re.fullmatch(r"o(?:utliers)?[0-9]+", field):
         return "outliers"
     if field in _GRAN_NAMES or is_group:
@@ -584,6 +619,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     scale = ScaleDType.FP16
     static = False
     outliers = 0
+    rotate = False
     seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
         group = re.fullmatch(r"g(?:roup)?([0-9]+)", p)
@@ -592,13 +628,17 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
                 "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static, "
-                "o<N> (outlier key channels)"
+                "o<N> (outlier key channels), rot (rotated keys)"
             )
         if kind in seen:
             raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
         seen[kind] = p
         if p == "static":
             static = True
+        elif kind == "rotation":
+            if role != "key":
+                raise FormatError(f"{p!r} in the {role} spec {text!r}: keys only; move it to the k= spec")
+            rotate = True
         elif kind == "outliers":
             if role != "key":
                 raise FormatError(
@@ -618,7 +658,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale, static, outliers)
+    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:

@@ -13,6 +13,7 @@ from kvpack.formats import KVFormat, QuantSpec
 from kvpack.kernels.views import PagedKV
 from kvpack.outliers import index_dtype, quantize_outliers
 from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype
+from kvpack.rotation import key_rotation, rotate, unrotate
 
 __all__ = [
     "SNR_FLOOR_DB",
@@ -176,8 +177,10 @@ def random_paged_kv(
     for row, n in enumerate(seq_lens):
         k = realistic_keys(kv_heads, n, head_dim, generator=g)
         v = torch.randn(kv_heads, n, head_dim, generator=g)
+        if fmt.key.rotate:  # stored keys are k @ R; the natural keys returned are what the storage holds
+            k = rotate(k, key_rotation(head_dim))
         k, v = k.to(tail_dtype).float(), v.to(tail_dtype).float()  # representable in the tail dtype
-        keys.append(k)
+        keys.append(unrotate(k, key_rotation(head_dim)) if fmt.key.rotate else k)
         values.append(v)
         nb, t = divmod(n, b)
         for j in range(nb):
@@ -209,5 +212,6 @@ def random_paged_kv(
         tail_v=tail_v,
         k_outlier=ko,
         k_outlier_idx=koi,
+        key_rotation=key_rotation(head_dim) if fmt.key.rotate else None,
     )
     return kv, keys, values

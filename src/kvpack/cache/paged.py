@@ -34,6 +34,7 @@ from kvpack.calibration.static import DEFAULT_CLIP_THRESHOLD, ClipMonitor
 from kvpack.errors import ConfigError, SequenceError, ShapeError
 from kvpack.formats import KVFormat, parse_format
 from kvpack.kernels.views import PagedKV
+from kvpack.rotation import key_rotation
 
 __all__ = ["PagedKVCache"]
 
@@ -136,6 +137,8 @@ class PagedKVCache:
         self.calibration = resolve_calibration(self.format, calibration, *geometry)
         # [L, H, k] int64 calibrated outlier key channels, or None: chosen per block at seal time
         self.outlier_channels = resolve_outlier_channels(self.format, calibration, *geometry)
+        # [D, D] float32: keys are stored as k @ R (tails and blocks; kvpack.rotation), or None
+        self.key_rotation = key_rotation(head_dim, self.device) if self.format.key.rotate else None
         self.windows = self._parse_window(window, num_layers)
         # a block leaves every layer's window only if every layer has one
         self.release_window = None if None in self.windows else max(self.windows)
@@ -415,6 +418,7 @@ class PagedKVCache:
             v_zero=None if st.v_zero is None else st.v_zero[layer],
             k_outlier=None if st.k_outlier is None else st.k_outlier[layer],
             k_outlier_idx=None if st.k_outlier_idx is None else st.k_outlier_idx[layer],
+            key_rotation=self.key_rotation,
             block_tables=tables.to(self.device),
             seq_lens=lens.to(self.device),
             tail_k=tail_k,

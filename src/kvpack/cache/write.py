@@ -26,6 +26,7 @@ from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
 from kvpack.outliers import fill_outliers, outlier_residual, seal_time_channels
 from kvpack.quant import QuantizedTensor, _raise_non_finite, quantize
+from kvpack.rotation import rotate
 
 if TYPE_CHECKING:
     from kvpack.cache.paged import PagedKVCache, _Rows
@@ -223,6 +224,8 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
     slots = rows.slots
     n_old = cache._lens_np[layer, slots].astype(np.int64)
     _check_step(cache, layer, rows, n_old, t_new)
+    if cache.key_rotation is not None:  # stored keys are k @ R (a NaN spreads over its token's channels)
+        k = rotate(k, cache.key_rotation)
     kc = k if k.dtype == cache.tail_dtype else k.to(cache.tail_dtype)
     vc = v if v.dtype == cache.tail_dtype else v.to(cache.tail_dtype)
     r = n_old % b

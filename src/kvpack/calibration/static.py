@@ -51,7 +51,11 @@ class CalibrationDriftWarning(UserWarning):
 def spec_takes_static(spec: QuantSpec) -> bool:
     """True when static scales can exist for ``spec``: a quantized spec with one scale per channel, head or
     tensor (per-token scales only exist once their token does)."""
-    return not spec.is_passthrough and isinstance(spec.granularity, (PerChannel, PerHead, PerTensor))
+    return (
+        not spec.is_passthrough
+        and not spec.rotate  # statistics are of natural keys; rotated keys would need rotated ranges
+        and isinstance(spec.granularity, (PerChannel, PerHead, PerTensor))
+    )
 
 
 def _plain(spec: QuantSpec) -> QuantSpec:

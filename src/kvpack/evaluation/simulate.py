@@ -22,6 +22,7 @@ from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
 from kvpack.outliers import dequantize_outliers, quantize_outliers
 from kvpack.quant import dequantize, quantize, scale_torch_dtype
+from kvpack.rotation import key_rotation, rotate, unrotate
 
 if TYPE_CHECKING:
     from kvpack.calibration.artifact import CalibratedScales
@@ -45,6 +46,9 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
     n = t // block_size
     blocks = x.reshape(b, h, n, block_size, d).permute(0, 2, 1, 3, 4)  # [batch, n, H, B, D]
     flat = blocks.reshape(b * n, h, block_size, d)
+    r = key_rotation(d, x.device) if spec.rotate else None
+    if r is not None:  # the cache stores k @ R; the model reads the unrotated reconstruction
+        flat = rotate(flat.float(), r)
     if spec.static and scales is None:
         raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
     if spec.outliers:  # channels chosen per block at seal time, as the paged cache does without calibration
@@ -58,6 +62,8 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
         rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
     else:
         rec = dequantize(quantize(flat, spec), torch.float32)
+    if r is not None:
+        rec = unrotate(rec, r)
     rec = rec.reshape(b, n, h, block_size, d)
     return rec.permute(0, 2, 1, 3, 4).reshape(b, h, t, d).to(x.dtype)
 

@@ -12,7 +12,7 @@ calls :func:`kvpack_attention` (registered in ``AttentionInterface``) with the :
 
 from __future__ import annotations
 
-import importlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -150,7 +150,7 @@ def _decode_backend(cache: Any, layer: int, q: torch.Tensor, kv: PagedKV, window
     hit = cache.backend_choice.get(key)
     if hit is None:
         name = kernels.choose_backend(q, kv, window, cache.backend)
-        hit = cache.backend_choice[key] = (name, importlib.import_module(kernels.BACKENDS[name]).decode_attention)
+        hit = cache.backend_choice[key] = (name, functools.partial(kernels.run_backend, name))
     return hit
 
 

@@ -9,6 +9,7 @@ one that does not is never handed such a cache (the dispatcher adds :data:`OUTLI
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 
@@ -16,8 +17,17 @@ import torch
 
 from kvpack.errors import UnsupportedError
 from kvpack.kernels.views import PagedKV
+from kvpack.rotation import rotate
 
-__all__ = ["BACKENDS", "OUTLIER_REASON", "PagedKV", "backend_reasons", "choose_backend", "decode_attention"]
+__all__ = [
+    "BACKENDS",
+    "OUTLIER_REASON",
+    "PagedKV",
+    "backend_reasons",
+    "choose_backend",
+    "decode_attention",
+    "run_backend",
+]
 
 BACKENDS = {
     "reference": "kvpack.kernels.reference",
@@ -98,4 +108,22 @@ def decode_attention(
         ``[batch, Hq, D]`` in ``q.dtype``.
     """
     name = choose_backend(q, kv, window, backend)
-    return _module(name).decode_attention(q, kv, sm_scale, window, out)
+    return run_backend(name, q, kv, sm_scale, window, out)
+
+
+def run_backend(
+    name: str,
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run backend ``name`` (no choice, no fallback). Keys stored rotated (``kv.key_rotation``) are read by
+    the fused backends with the rotated query ``q @ R`` and a view without the rotation; the reference
+    unrotates the keys itself."""
+    mod = _module(name)
+    if kv.key_rotation is not None and name != "reference":
+        q = rotate(q, kv.key_rotation.to(q.device))
+        kv = dataclasses.replace(kv, key_rotation=None)
+    return mod.decode_attention(q, kv, sm_scale, window, out)

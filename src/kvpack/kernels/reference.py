@@ -22,7 +22,8 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized keys and values of sequence ``row``: two ``[H, seq_len, D]`` float32 tensors.
 
     Positions of released (out-of-window) blocks come back as zeros. Keys of a format with outlier
-    channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`).
+    channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`); keys
+    stored rotated (``kv.key_rotation``) come back unrotated.
     """
     n = int(kv.seq_lens[row])
     b = kv.block_size
@@ -46,6 +47,8 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.where((ids == 0).view(-1, 1, 1, 1), torch.zeros_like(x), x)
         x = x.permute(1, 0, 2, 3).reshape(kv.kv_heads, nb * b, kv.head_dim)
         out.append(torch.cat([x, tail_x[row, :, :tail].float()], dim=1))
+    if kv.key_rotation is not None:  # stored keys are k @ R: back to natural keys (released zeros stay zero)
+        out[0] = out[0] @ kv.key_rotation.T.float()
     return out[0], out[1]
 
 

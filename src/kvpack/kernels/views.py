@@ -49,6 +49,11 @@ class PagedKV:
         k_outlier_idx: ``[num_blocks, H, k]``, dtype ``torch.uint8`` (``torch.int16`` when ``D > 256``): the
             kept channels of each block and head, ascending. Keys are ``dequantize(payload)`` with
             ``k[..., idx] += k_outlier.float()``, so a score is ``q . deq(k_t) + sum_j q[idx_j] * r[t, j]``.
+        key_rotation: ``[D, D]`` float32 (:func:`kvpack.rotation.key_rotation`) for a key spec with
+            ``rotate``: the stored keys (sealed blocks and tail) are ``k @ key_rotation``, read with the query
+            ``q @ key_rotation``; :func:`~kvpack.kernels.reference.dense_history` returns natural keys.
+            ``None`` otherwise. Fused backends take it already applied (the dispatcher rotates the query
+            and passes a view without it).
     """
 
     format: KVFormat
@@ -66,6 +71,7 @@ class PagedKV:
     start_pos: torch.Tensor | None = None
     k_outlier: torch.Tensor | None = None
     k_outlier_idx: torch.Tensor | None = None
+    key_rotation: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
