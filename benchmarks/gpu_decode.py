@@ -39,6 +39,7 @@ from kvpack.kernels import triton_decode as td
 from kvpack.kernels import triton_seal as ts
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import QuantizedTensor, dequantize, payload_torch_dtype, quantize, scale_torch_dtype
+from kvpack.rotation import rotate
 from kvpack.testing import random_paged_kv
 
 TARGETS = {"int8": 1.8, "fp8": 1.8, "int4": 3.0}  # speed-up over fp16 SDPA at 32k (issue 5)
@@ -130,7 +131,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> dict[str,
 
 def _to(kv: PagedKV, device: torch.device) -> PagedKV:
     fields = ["k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero", "block_tables", "seq_lens"]
-    fields += ["tail_k", "tail_v", "start_pos"]
+    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx", "key_rotation"]
     return replace(kv, **{f: getattr(kv, f).to(device) for f in fields if getattr(kv, f) is not None})
 
 
@@ -225,7 +226,11 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     d = 64 if smoke else 128
     lengths = [1, 15, 17, 50] if smoke else [1, 63, 65, 1000, 4097]
     block = 16 if smoke else 64
-    formats = ["fp16", "int8", "int4", "kivi2"] if smoke else ["fp16", "int8", "fp8", "fp8-o4", "int4", "k8v4", "kivi2"]
+    formats = (
+        ["fp16", "int8", "int4", "kivi2", "int4-o4", "k=int8:head:rot,v=int8:token"]
+        if smoke
+        else ["fp16", "int8", "fp8", "fp8-o4", "fp8-rot", "int4", "k8v4", "kivi2"]
+    )
     for i, name in enumerate(formats):
         fmt = parse_format(f"{name},block={block}")
         # bf16 queries on a GPU only: the interpreter's bf16 dot is wrong (the tests patch it, see there)
@@ -235,8 +240,11 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
             kv = _to(kv, device)
             q = torch.randn(len(lengths), 8, d, device=device).to(q_dtype)
             expected = reference.decode_attention(q.float(), kv)
+            qk, kvk = q, kv
+            if kv.key_rotation is not None:  # what kvpack.kernels.run_backend does for a fused backend
+                qk, kvk = rotate(q, kv.key_rotation), replace(kv, key_rotation=None)
             for splits in (1, 3):
-                got = td.decode_attention(q, kv, num_splits=splits).float()
+                got = td.decode_attention(qk, kvk, num_splits=splits).float()
                 err = float((got - expected).abs().max())
                 tol = 1e-2 if q_dtype == torch.float16 else 5e-2
                 checks.append({"check": f"decode {name} q={str(q_dtype)[6:]} splits={splits}", "max_abs_err": err,
