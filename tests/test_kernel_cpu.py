@@ -3,6 +3,22 @@
 Tolerances: both paths read the same stored bytes and accumulate in float32, so they differ only by
 summation order: float32 queries get atol 2e-4 / rtol 2e-3; half-precision queries and outputs get the
 rounding of that dtype on top (atol/rtol 2e-2 for bf16, 5e-3 for fp16).
+
+The integer path (int8/int4/int2 codes, ``cpu.int_dot_enabled()``) rounds two float operands to int16,
+per block and head, at 32767 over their largest magnitude: the key-scale-folded query ``qf`` and the
+attention weights ``p * v_scale`` (bounded by the block's largest ``p`` times its largest scale). Each
+rounding moves an operand by at most 1/65534 of that maximum, independently per element:
+
+* a base-2 logit moves by ``sum_c r_c (code_c - mid)`` over ``D`` channels: with ``|r_c| <= max|qf| / 65534``
+  and random signs this is about ``max|qf| sqrt(D) rms(code - mid) / (65534 sqrt(3))``, 1e-4 to 5e-4 of a
+  logit on these caches (int8 codes rms ~40, int4 ~4.5 at 17x the step), i.e. a relative change of a
+  weight of ``ln 2`` times that, and of an output element ``~|v|`` times that: up to ~1e-3 at |v| ~ 3;
+* a weight moves by at most ``p_max s_max / 65534``: over the ``B`` rows of a block, random signs,
+  ``sqrt(B) |v|max / 65534 / lsum``, below 2e-4 at B = 64.
+
+Measured over the presets: at most ~3x the float path's tolerance, so the integer path is held to
+``INT_TOL`` = atol 1e-3 / rtol 1e-2, about 2x above what was seen and still ~10x below the int8 cache's own
+quantization error. Every case runs on both paths (``dot_path``); the float path keeps the tight bound.
 """
 
 from __future__ import annotations
@@ -20,6 +36,22 @@ from kvpack.kernels import cpu, reference
 from kvpack.testing import assert_close, random_paged_kv
 
 TOL = {torch.float32: (2e-4, 2e-3), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+INT_TOL = (1e-3, 1e-2)
+
+
+@pytest.fixture(params=["int", "float"])
+def dot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the integer path (forced: on CPUs without AVX-512 BW the portable IR runs) and the float one."""
+    monkeypatch.setattr(cpu, "INT_DOT", request.param == "int")
+    return request.param
+
+
+def _int_path(kv) -> bool:
+    """Whether the integer path handles the keys or the values of ``kv`` here."""
+    p_dot = cpu._nb().P_DOT
+    keys = cpu._params(kv.format.key, kv, kv.k_data, "key")[p_dot]
+    values = cpu._params(kv.format.value, kv, kv.v_data, "value")[p_dot]
+    return bool(keys or values)
 
 
 def _lengths(b: int) -> list[int]:
@@ -34,6 +66,8 @@ def _check(kv, q, *, window=None, sm_scale=None, tol=None):
     assert res is out
     ref = reference.decode_attention(q, kv, sm_scale, window)
     atol, rtol = tol or TOL[q.dtype]
+    if _int_path(kv):
+        atol, rtol = max(atol, INT_TOL[0]), max(rtol, INT_TOL[1])
     assert_close(out, ref, atol, rtol, msg=f"{kv.format.name} window={window}")
     return out, ref
 
@@ -58,7 +92,7 @@ PRESET_CASES = [
 
 
 @pytest.mark.parametrize("name,block,group,head_dim", PRESET_CASES)
-def test_presets_match_reference(name: str, block: int, group: int, head_dim: int) -> None:
+def test_presets_match_reference(name: str, block: int, group: int, head_dim: int, dot_path: str) -> None:
     fmt = PRESETS[name].with_block_size(block)
     kv_heads = 2
     kv, _, _ = random_paged_kv(fmt, _lengths(block), kv_heads=kv_heads, head_dim=head_dim, seed=block + group)
@@ -79,11 +113,14 @@ CUSTOM = [
     "k=int8:g32:asym:fp16,v=int8:g64:sym:bf16",
     "k=fp32,v=int4:g32:asym",
     "k=int4:channel:asym,v=bf16",
+    "k=int4:channel:sym:fp16,v=int4:token:sym",  # offset-binary codes centred on the integer path
+    "k=int2:channel:sym,v=int2:g32:sym:bf16",
+    "k=int8:channel:asym:fp32,v=int8:token:asym",
 ]
 
 
 @pytest.mark.parametrize("spec", CUSTOM)
-def test_custom_formats_match_reference(spec: str) -> None:
+def test_custom_formats_match_reference(spec: str, dot_path: str) -> None:
     fmt = parse_format(spec).with_block_size(16)
     kv, _, _ = random_paged_kv(fmt, [7, 16, 41, 70], kv_heads=2, head_dim=64, seed=3)
     q = torch.randn(kv.batch, 8, 64)
@@ -102,14 +139,14 @@ def test_half_precision_queries_and_tails(q_dtype: torch.dtype, tail_dtype: torc
 
 @pytest.mark.parametrize("name", ["int8", "int4", "kivi2"])
 @pytest.mark.parametrize("window", [1, 17, 64, 200])
-def test_sliding_window(name: str, window: int) -> None:
+def test_sliding_window(name: str, window: int, dot_path: str) -> None:
     fmt = PRESETS[name].with_block_size(16)
     kv, _, _ = random_paged_kv(fmt, [3, 40, 130, 257], kv_heads=2, head_dim=64, seed=window)
     q = torch.randn(kv.batch, 4, 64)
     _check(kv, q, window=window)
 
 
-def test_window_with_released_blocks() -> None:
+def test_window_with_released_blocks(dot_path: str) -> None:
     """Blocks that left the window are released (block id 0, the poisoned null block): never read."""
     b = 16
     kv, _, _ = random_paged_kv(PRESETS["int4"].with_block_size(b), [300, 77], kv_heads=2, head_dim=64, seed=11)
@@ -123,7 +160,7 @@ def test_window_with_released_blocks() -> None:
     _check(kv, q, window=window)
 
 
-def test_left_padding_start_pos() -> None:
+def test_left_padding_start_pos(dot_path: str) -> None:
     kv, _, _ = random_paged_kv(PRESETS["k8v4"].with_block_size(16), [50, 50, 90, 20], kv_heads=2, head_dim=64, seed=5)
     # row 1: nothing to attend (start past the end) -> zeros, as the reference says
     kv = dataclasses.replace(kv, start_pos=torch.tensor([0, 60, 37, 3], dtype=torch.int32))
@@ -180,7 +217,7 @@ def test_auto_backend_picks_cpu_without_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = K.decode_attention(q, kv)
-    assert_close(out, reference.decode_attention(q, kv), *TOL[torch.float32])
+    assert_close(out, reference.decode_attention(q, kv), *(INT_TOL if _int_path(kv) else TOL[torch.float32]))
 
 
 def test_unsupported_case_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,3 +261,65 @@ def test_kind_tables_match_the_compiled_module() -> None:
     assert cpu._SCALE_KIND[ScaleDType.BF16] == nbm.SC_BF16
     assert cpu._SCALE_KIND[ScaleDType.E8M0] == nbm.SC_E8M0
     assert cpu._FLOAT_KIND == {torch.float16: nbm.FK_F16, torch.bfloat16: nbm.FK_BF16, torch.float32: nbm.FK_F32}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The integer path and outlier key channels
+
+
+def test_int_path_is_chosen_for_int_codes_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv8, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [40], kv_heads=1, head_dim=64)
+    kvf, _, _ = random_paged_kv(PRESETS["fp8"].with_block_size(16), [40], kv_heads=1, head_dim=64)
+    monkeypatch.setattr(cpu, "INT_DOT", True)
+    assert _int_path(kv8) and not _int_path(kvf)
+    odd, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(18), [40], kv_heads=1, head_dim=64)
+    p_dot = cpu._nb().P_DOT
+    assert cpu._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
+    assert cpu._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
+    monkeypatch.setattr(cpu, "INT_DOT", False)
+    assert not _int_path(kv8)
+    monkeypatch.setattr(cpu, "INT_DOT", None)
+    monkeypatch.setenv("KVPACK_CPU_INT_DOT", "0")
+    assert not cpu.int_dot_enabled()
+
+
+def test_int_and_float_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, _, _ = random_paged_kv(PRESETS["k8v4"].with_block_size(64), [700, 64, 130], kv_heads=2, head_dim=128, seed=4)
+    q = torch.randn(3, 8, 128)
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(cpu, "INT_DOT", flag)
+        outs[flag] = cpu.decode_attention(q, kv)
+    assert not torch.equal(outs[True], outs[False])  # two different computations...
+    assert_close(outs[True], outs[False], *INT_TOL)  # ...within the stated bound
+
+
+OUTLIER_FORMATS = ["fp8-o4", "int4-o4", "k=int4:channel:o4,v=int8:token", "k=int8:token:o2,v=int4:g32"]
+
+
+@pytest.mark.parametrize("spec", OUTLIER_FORMATS)
+@pytest.mark.parametrize("block,head_dim", [(16, 64), (64, 128), (32, 512)])
+def test_outlier_channels_match_reference(spec: str, block: int, head_dim: int, dot_path: str) -> None:
+    fmt = (PRESETS[spec] if spec in PRESETS else parse_format(spec)).with_block_size(block)
+    kv, _, _ = random_paged_kv(fmt, _lengths(block), kv_heads=2, head_dim=head_dim, seed=block)
+    assert kv.k_outlier is not None and kv.k_outlier_idx.dtype == (torch.int16 if head_dim > 256 else torch.uint8)
+    assert K.backend_reasons("cpu", torch.randn(kv.batch, 4, head_dim), kv) == []
+    q = torch.randn(kv.batch, 4, head_dim)
+    _, ref = _check(kv, q)
+    # the residuals matter: without them the reference moves by more than the tolerance
+    plain = dataclasses.replace(kv, k_outlier=torch.zeros_like(kv.k_outlier))
+    assert (reference.decode_attention(q, plain) - ref).abs().max() > 10 * INT_TOL[0]
+    _check(kv, q, window=block + 3)
+
+
+def test_outlier_pools_are_checked() -> None:
+    kv, _, _ = random_paged_kv(PRESETS["fp8-o4"].with_block_size(16), [40], kv_heads=1, head_dim=64)
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(ShapeError, match="k_outlier must be"):
+        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier=kv.k_outlier.float()))
+    with pytest.raises(ShapeError, match="come together"):
+        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=None))
+    bad = kv.k_outlier_idx.clone()
+    bad[kv.block_tables[0, 0].long(), 0, 0] = 64  # a channel past head_dim in a block the sequence uses
+    with pytest.raises(ShapeError, match="outside"):
+        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=bad))

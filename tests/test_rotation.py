@@ -114,7 +114,12 @@ def test_backends_read_rotated_keys(backend):
             triton_decode.decode_attention(q, kv)  # a direct call must not read rotated keys with q
     else:
         got = decode_attention(q, kv, backend=backend)
-        assert_close(got, expected, 2e-5, 1e-4)
+        assert_close(got, expected, 2e-5, 1e-4)  # fp8 codes take the CPU kernel's float path
+        if backend == "cpu":
+            from kvpack.kernels import cpu
+
+            with pytest.raises(UnsupportedError, match="rotated"):
+                cpu.decode_attention(q, kv)
 
 
 def test_cache_stores_rotated_keys_and_gives_back_natural_ones():

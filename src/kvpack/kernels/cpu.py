@@ -4,13 +4,16 @@ The compiled loops live in :mod:`kvpack.kernels.cpu_numba` (imported on first us
 never pulls in numba). The kernel reads the packed payload and the stored scales straight from the pools;
 nothing dequantized is ever written to memory. Every format the presets use is covered: int8 (sym and
 asym), fp8 e4m3/e5m2, int4 and int2 (offset binary or unsigned + zero), passthrough fp16/bf16/fp32, any
-scale dtype (fp32, fp16, bf16, E8M0) and any granularity.
+scale dtype (fp32, fp16, bf16, E8M0) and any granularity, and outlier key channels (``kv.k_outlier``).
+int8/int4/int2 codes are multiplied as integers on CPUs with AVX-512 BW (:func:`int_dot_enabled`;
+``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` turns it off), the float32 path serves everything else.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -19,12 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpack.errors import ShapeError
+from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import DType, QuantSpec, ScaleDType
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
-__all__ = ["MIN_CHUNK_TOKENS", "decode_attention", "reasons_unsupported"]
+__all__ = ["MIN_CHUNK_TOKENS", "SUPPORTS_OUTLIERS", "decode_attention", "int_dot_enabled", "reasons_unsupported"]
+
+# Outlier key channels (kv.k_outlier residuals at kv.k_outlier_idx) are added to the scores in the kernel.
+SUPPORTS_OUTLIERS = True
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -35,6 +41,10 @@ _ITEMS_PER_THREAD = 4
 _CHUNKS_PER_THREAD = 4
 # Below this many blocks of work a call stays on the calling thread (a hand-off costs ~20 us).
 _SERIAL_BLOCKS = 64
+# Integer dot products for int8/int4/int2 codes (see cpu_numba._kdot_ir): None = where the CPU has AVX-512 BW,
+# unless the environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
+INT_DOT: bool | None = None
+_I32_MAX = 2**31 - 1
 
 
 @lru_cache(maxsize=1)
@@ -108,6 +118,48 @@ def _views(t: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (_DUMMY[0], _DUMMY[1], t.float().numpy())
 
 
+@lru_cache(maxsize=1)
+def _cpu_has_int_dot() -> bool:
+    from llvmlite import binding as llvm
+    from numba.core import config
+
+    feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return "+avx512bw" in feats.split(",")
+
+
+def int_dot_enabled() -> bool:
+    """Whether int8/int4/int2 codes are multiplied as integers (int16 query and weights, exact int32 sums)
+    rather than converted to float32 one by one: on CPUs with AVX-512 BW (VNNI: faster still), unless
+    ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise."""
+    if INT_DOT is not None:
+        return INT_DOT
+    return os.environ.get("KVPACK_CPU_INT_DOT", "1") != "0" and _cpu_has_int_dot()
+
+
+def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
+    """The largest int16 operand the integer path may use for this spec (0: it does not apply).
+
+    Keys: the scale must be constant over a block's tokens (it is folded into the query), rows in whole
+    32-byte pieces, block_size a multiple of 4; the ``head_dim`` products of one score must not overflow
+    int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs;
+    the ``block_size`` products of one channel must not overflow int32."""
+    nbm = _nb()
+    if kind not in nbm._CODE_MAX or not int_dot_enabled():
+        return 0
+    d, b = kv.head_dim, kv.block_size
+    per = 8 // spec.bits
+    dp = d // per
+    _, ts, cs = spec.scale_shape(kv.kv_heads, b, d)
+    cmax = nbm._CODE_MAX[kind]
+    if role == "key":
+        if ts != 1 or b % 4 or dp % 32:
+            return 0
+        return min(32767, _I32_MAX // (d * cmax))
+    if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % 16)):
+        return 0
+    return min(32767, _I32_MAX // ((b + 1) * cmax))
+
+
 def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
     """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape."""
     nbm = _nb()
@@ -138,6 +190,10 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
     p[nbm.P_SKIND] = _SCALE_KIND[spec.scale_dtype]
     p[nbm.P_ZKIND] = _SCALE_KIND[spec.zero_dtype] if spec.has_zero else nbm.SC_NONE
     p[nbm.P_HS], p[nbm.P_TS], p[nbm.P_CS] = spec.scale_shape(h, b, d)
+    p[nbm.P_DOT] = _int_dot_limit(spec, int(p[nbm.P_KIND]), kv, role)
+    if role == "key" and kv.k_outlier is not None:
+        p[nbm.P_NOUT] = kv.k_outlier.shape[-1]
+        p[nbm.P_IDX16] = int(kv.k_outlier_idx.element_size() == 2)
     return p
 
 
@@ -173,6 +229,33 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
         raise ShapeError(f"start_pos must be [batch={kv.batch}] int32, got {tuple(kv.start_pos.shape)}")
     _check_scales(kv.format.key, kv, kv.k_scale, kv.k_zero, "key")
     _check_scales(kv.format.value, kv, kv.v_scale, kv.v_zero, "value")
+    _check_outliers(kv)
+
+
+def _check_outliers(kv: PagedKV) -> None:
+    if kv.k_outlier is None and kv.k_outlier_idx is None:
+        return
+    if kv.k_outlier is None or kv.k_outlier_idx is None:
+        raise ShapeError(
+            "k_outlier and k_outlier_idx come together: pass both residuals and channel indices, or neither"
+        )
+    nb, h, b, k = kv.k_data.shape[0], kv.kv_heads, kv.block_size, kv.k_outlier.shape[-1]
+    if tuple(kv.k_outlier.shape) != (nb, h, b, k) or kv.k_outlier.dtype != torch.float16:
+        raise ShapeError(
+            f"k_outlier must be [{nb}, {h}, {b}, k] float16, got {tuple(kv.k_outlier.shape)} {kv.k_outlier.dtype}"
+        )
+    if tuple(kv.k_outlier_idx.shape) != (nb, h, k) or kv.k_outlier_idx.dtype not in (torch.uint8, torch.int16):
+        raise ShapeError(
+            f"k_outlier_idx must be [{nb}, {h}, {k}] uint8 (int16 past head_dim 256), "
+            f"got {tuple(kv.k_outlier_idx.shape)} {kv.k_outlier_idx.dtype}"
+        )
+    t = kv.block_tables
+    used = kv.k_outlier_idx[t[(t > 0) & (t < nb)].long()]  # the null block is never read (bad ids: checked later)
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv.head_dim):
+        raise ShapeError(
+            f"k_outlier_idx holds channels outside [0, {kv.head_dim}) in blocks the block_tables use: "
+            "the outlier pools do not match this cache"
+        )
 
 
 def decode_attention(
@@ -196,7 +279,15 @@ def decode_attention(
 
     Raises:
         ShapeError: inconsistent shapes or dtypes, a block id outside the pools, an empty sequence.
+        UnsupportedError: a view of rotated keys (``kv.key_rotation``): go through
+            :func:`kvpack.kernels.decode_attention`, which rotates the query.
     """
+    if kv.key_rotation is not None:
+        raise UnsupportedError(
+            "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
+            "the query, instead of the backend directly",
+            ["rotated keys need a rotated query"],
+        )
     _check(q, kv, out)
     nbm = _nb()
     d = kv.head_dim
@@ -260,6 +351,8 @@ def decode_attention(
         pm,
         pl,
         pacc,
+        _views(kv.k_outlier),
+        _views(kv.k_outlier_idx),
     )
     _run_sliced(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()

@@ -23,8 +23,19 @@ Math per sealed block of ``B`` tokens, for the ``G`` query heads of one kv head 
 Work per block: rows are decoded ``TILE`` (8) at a time into a small float32 tile (2-4 KB, it stays in
 L1; the history is never materialized), then dotted with four query heads at once (16 accumulators in
 registers) and accumulated into four heads' outputs per pass (one load/store of the accumulator per 8
-tokens). The next block's rows, scales and zero-points are prefetched while a block is computed: block
-ids are arbitrary, so the hardware prefetcher cannot guess them.
+tokens). The rows, scales and zero-points of the block after next are prefetched while a block is
+computed: block ids are arbitrary, so the hardware prefetcher cannot guess them.
+
+Integer path (int8/int4/int2 codes on AVX-512 BW CPUs, see :func:`_kdot_ir`, :func:`_vdot_ir`): the codes
+are never converted to float. The folded query is rounded to int16 once per block and head
+(:func:`_q16_keys`) and dotted with the codes widened to int16 words by ``vpdpwssd`` (exact int32 sums),
+four rows by four heads per pass, the sixteen sums reduced together by a transposing shuffle tree; the
+attention weights are rounded to int16 per block (:func:`_w16_values`) and two rows at a time are
+interleaved word by word, so one ``vpdpwssd`` accumulates 16 channels of both rows. Offset-binary codes
+are centred in the loop (``code - off``), which leaves the per-block constants without the offset. These
+two loops are LLVM IR text (numba has no vector types) linked into the caller; they also prefetch the
+block after next, spread over their own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the
+scores (:func:`_outlier_scores`).
 
 Packed int4/int2 rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte
 ``j``; the query is permuted into the keys' plane order and the accumulator lives in the values' plane
@@ -34,8 +45,10 @@ Numba details that decide the speed: index arithmetic in inner loops is unsigned
 signed indices, and that select blocks vectorization); bit tricks stay in int32 (int64 lanes halve the
 vector width); the per-block helpers are compiled without reference counting (numba's ``_nrt=False``:
 otherwise every call increfs and decrefs each array argument, atomics that cost more than a tile's
-arithmetic). This module is one file on purpose: numba's disk cache is invalidated by the source file
-of the cached function only, so helpers kept in another file could be served stale.
+arithmetic); float max reductions are done on int32 order keys (:func:`_order_key`: LLVM keeps float max
+reductions scalar). This module is one file on purpose: numba's disk cache is invalidated by the source
+file of the cached function only, so helpers (the IR text generators included) kept in another file
+could be served stale.
 
 Long histories are split into chunks of blocks (work items: batch x kv_heads x chunks) that threads run
 in parallel; chunk results ``(max, sum, acc)`` are merged with log-sum-exp (:func:`merge`).
@@ -57,8 +70,8 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 # scale / zero-point kinds
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
-P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK = range(10)
-N_PARAMS = 10
+P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16 = range(13)
+N_PARAMS = 13
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -100,6 +113,31 @@ def _as_f32(typingctx, bits):
 
 
 @intrinsic
+def _f32_bits(typingctx, x):
+    """The bits of a float32 as an int32 (free: a register bitcast)."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(x), codegen
+
+
+@njit(**_NOREF)
+def _order_key(x):
+    """An int32 that orders like the float32 ``x`` (NaN aside): max/min reductions over it vectorize, where
+    LLVM keeps float max reductions scalar (they must respect NaN and signed zeros)."""
+    i = _f32_bits(x)
+    return i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
+
+
+@njit(**_NOREF)
+def _from_order_key(i):
+    return _as_f32(i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
+@intrinsic
 def _prefetch(typingctx, arr, idx):
     """Hint the cache to fetch the line holding ``arr[idx]`` (1-D array; never faults, never checked)."""
     if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(idx, types.Integer):
@@ -115,7 +153,7 @@ def _prefetch(typingctx, arr, idx):
         name = "llvm.prefetch.p0" if str(ptr.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque or typed pointers
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr, i32(0), i32(3), i32(1)])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
     return types.void(arr, idx), codegen
@@ -440,18 +478,522 @@ def _scales(arrs, kind, o, n, out):
 def _scales_t(arrs, kind, o, nt, cs, tmp, out):
     """The ``[nt, cs]`` slab of scales at flat offset ``o``, transposed: ``out[grp * nt + t]`` (float32),
     so loops over the tokens of one group run with unit stride. ``tmp``: scratch of ``nt * cs``."""
-    _scales(arrs, kind, o, nt * cs, tmp)
-    if cs == 1:
-        for t in range(nt):
-            out[t] = tmp[t]
+    if cs == 1 or kind == SC_NONE:
+        _scales(arrs, kind, o, nt * cs, out)
         return
-    for t in range(nt):
-        for grp in range(cs):
-            out[grp * nt + t] = tmp[t * cs + grp]
+    _scales(arrs, kind, o, nt * cs, tmp)
+    ucs, unt = U64(cs), U64(nt)
+    if cs == 4:  # int4 values in groups of 32 at head_dim 128: an interleaved load LLVM vectorizes
+        for t in range(unt):
+            x0, x1, x2, x3 = tmp[4 * t], tmp[4 * t + 1], tmp[4 * t + 2], tmp[4 * t + 3]
+            out[t] = x0
+            out[unt + t] = x1
+            out[2 * unt + t] = x2
+            out[3 * unt + t] = x3
+        return
+    for grp in range(ucs):
+        for t in range(unt):
+            out[grp * unt + t] = tmp[t * ucs + grp]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Integer dot products (keys and values), written as LLVM IR text
+#
+# Numba has no vector types, so the two hot loops of the integer path are generated here as LLVM IR
+# (explicit <32 x i16> / <16 x i32> vectors) and linked into the caller. Codes are widened to int16 words
+# and multiplied with int16 operands (the folded query, or the attention weights) by ``vpdpwssd``
+# (AVX-512 VNNI: 32 multiply-adds per instruction, exact int32 sums); without VNNI the same IR uses
+# ``vpmaddwd`` + add (AVX-512 BW), without AVX-512 a portable multiply + pairwise add that LLVM lowers for
+# the target. The launcher picks the integer path only on AVX-512 BW machines (the float path otherwise).
+#
+# A packed row is read 32 bytes at a time: bytes -> words (sign- or zero-extended), then plane ``k``
+# (``(word >> bits * k) & mask``) holds the codes of channels ``per * j + k`` for the 32 bytes ``j``.
+
+_INT_KINDS = {S8: (1, True), U8: (1, False), U4: (2, False), U2: (4, False)}  # kind -> (codes per byte, signed)
+_CODE_MAX = {S8: 128, U8: 255, U4: 15, U2: 3}  # largest |code|, for the int32 overflow bound
+_I32_MAX = 2**31 - 1
+
+
+def _ir_vec(ty: str, vals) -> str:
+    return "<" + ", ".join(f"{ty} {v}" for v in vals) + ">"
+
+
+def _ir_mask(vals) -> str:
+    vals = list(vals)
+    return f"<{len(vals)} x i32> " + _ir_vec("i32", vals)
+
+
+def _ir_words(lines: list[str], src: str, name: str, per: int, signed: bool, off: str = "") -> list[str]:
+    """Emit the ``per`` planes of 32 bytes at pointer ``src`` as <32 x i16>, minus the splat ``off`` when
+    given (offset-binary codes become signed, centred ones); returns their names."""
+    bits = 8 // per
+    lines.append(f"  %{name}.b = load <32 x i8>, ptr {src}, align 1")
+    lines.append(f"  %{name}.w = {'sext' if signed else 'zext'} <32 x i8> %{name}.b to <32 x i16>")
+    out = []
+    for k in range(per):
+        x = f"%{name}.w"
+        if k:
+            lines.append(f"  %{name}.s{k} = lshr <32 x i16> {x}, {_ir_vec('i16', [bits * k] * 32)}")
+            x = f"%{name}.s{k}"
+        if per > 1 and k < per - 1:
+            lines.append(f"  %{name}.m{k} = and <32 x i16> {x}, {_ir_vec('i16', [(1 << bits) - 1] * 32)}")
+            x = f"%{name}.m{k}"
+        if off:
+            lines.append(f"  %{name}.o{k} = sub <32 x i16> {x}, {off}")
+            x = f"%{name}.o{k}"
+        out.append(x)
+    return out
+
+
+def _ir_splat16(lines: list[str], name: str, val: str) -> None:
+    """``%name`` = the i64 ``val`` truncated to i16, in all 32 lanes."""
+    lines += [f"  %{name}.t = trunc i64 {val} to i16", f"  %{name}.i = insertelement <32 x i16> poison, i16 %{name}.t, i64 0",
+              f"  %{name} = shufflevector <32 x i16> %{name}.i, <32 x i16> poison, {_ir_mask([0] * 32)}"]  # fmt: skip
+
+
+def _ir_dot(lines: list[str], out: str, acc: str, x: str, y: str, isa: str) -> None:
+    """``out = acc + pairwise sums of x * y`` (<32 x i16> operands, <16 x i32> accumulators)."""
+    if isa == "vnni":
+        lines.append(f"  {out} = call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> {acc}, <32 x i16> {x}, "
+                     f"<32 x i16> {y})")  # fmt: skip
+    elif isa == "bw":
+        lines.append(f"  {out}.p = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> {x}, <32 x i16> {y})")
+        lines.append(f"  {out} = add <16 x i32> {acc}, {out}.p")
+    else:
+        lines.append(f"  {out}.x = sext <32 x i16> {x} to <32 x i32>")
+        lines.append(f"  {out}.y = sext <32 x i16> {y} to <32 x i32>")
+        lines.append(f"  {out}.m = mul <32 x i32> {out}.x, {out}.y")
+        lines.append(f"  {out}.e = shufflevector <32 x i32> {out}.m, <32 x i32> poison, {_ir_mask(range(0, 32, 2))}")
+        lines.append(f"  {out}.o = shufflevector <32 x i32> {out}.m, <32 x i32> poison, {_ir_mask(range(1, 32, 2))}")
+        lines.append(f"  {out}.s = add <16 x i32> {out}.e, {out}.o")
+        lines.append(f"  {out} = add <16 x i32> {acc}, {out}.s")
+
+
+_IR_DECL = {
+    "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, <32 x i16>, <32 x i16>)\n",
+    "bw": "declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)\n",
+    "generic": "",
+}
+
+
+_IR_PREFETCH = "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)\n"
+
+
+def _ir_prefetch(base: str, off: str, n: str, label: str, then: str) -> list[str]:
+    """Lines that prefetch (into L2) the ``n`` bytes at ``base + off`` one cache line at a time, unless ``base``
+    is null, then branch to ``then``. Spreading the next block's prefetches over the loops that compute this
+    one keeps a steady number of misses in flight (block ids are random: no hardware prefetcher sees them)."""
+    return [f"  %{label}.pfz = icmp eq ptr {base}, null",
+            f"  br i1 %{label}.pfz, label %{label}.pf.end, label %{label}.pf",
+            f"{label}.pf:",
+            f"  %{label}.pfo = phi i64 [0, %{label}], [%{label}.pfo.next, %{label}.pf]",
+            f"  %{label}.pfa = add i64 {off}, %{label}.pfo",
+            f"  %{label}.pfp = getelementptr i8, ptr {base}, i64 %{label}.pfa",
+            f"  call void @llvm.prefetch.p0(ptr %{label}.pfp, i32 0, i32 2, i32 1)",
+            f"  %{label}.pfo.next = add i64 %{label}.pfo, 64",
+            f"  %{label}.pfc = icmp ult i64 %{label}.pfo.next, {n}",
+            f"  br i1 %{label}.pfc, label %{label}.pf, label %{label}.pf.end",
+            f"{label}.pf.end:",
+            f"  br label %{then}"]  # fmt: skip
+
+
+def _ir_reduce16(lines: list[str], names: list[str]) -> str:
+    """Horizontal sums of 16 <16 x i32> vectors at once: lane ``n`` of the result sums ``names[n]``.
+
+    A transposing tree (each step halves the partial sums per vector and doubles the vectors per
+    register): 15 adds and 30 shuffles for 16 sums, against ~4 dependent steps each done one by one."""
+    cur = [(nm, 1) for nm in names]  # (value, owners it holds; each owner has 16 // owners lanes)
+    level = 0
+    while len(cur) > 1:
+        nxt = []
+        for p in range(0, len(cur), 2):
+            (x, n), (y, _) = cur[p], cur[p + 1]
+            seg, half = 16 // n, 8 // n
+            lo = [b + o * seg + i for b in (0, 16) for o in range(n) for i in range(half)]
+            hi = [v + half for v in lo]
+            c = f"%red{level}_{p}"
+            lines.append(f"  {c}.a = shufflevector <16 x i32> {x}, <16 x i32> {y}, {_ir_mask(lo)}")
+            lines.append(f"  {c}.b = shufflevector <16 x i32> {x}, <16 x i32> {y}, {_ir_mask(hi)}")
+            lines.append(f"  {c} = add <16 x i32> {c}.a, {c}.b")
+            nxt.append((c, 2 * n))
+        cur = nxt
+        level += 1
+    return cur[0][0]
+
+
+def _kdot_ir(name: str, kind: int, isa: str) -> str:
+    """IR of ``void name(ptr k, i64 rs, i64 ngrp, ptr q, i64 nm, ptr scl, ptr sc, i64 ld)``: scores of
+    ``4 * ngrp`` rows (row ``r`` at ``k + r * rs`` bytes) for 4 heads,
+    ``sc[g * ld + r] = scl[g] * sum_{k < per, m < nm, i < 32} q[((g * per + k) * nm + m) * 32 + i] * code(r, 32 m + i, k)``
+    with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass."""
+    per, signed = _INT_KINDS[kind]
+    lines = [f"define void @{name}(ptr %k, i64 %rs, i64 %ngrp, ptr %q, i64 %nm, ptr %scl, ptr %sc, i64 %ld, "
+             "i64 %off, ptr %pf) {",
+             "entry:",
+             "  %scl4 = load <4 x float>, ptr %scl, align 4",
+             f"  %sclv = shufflevector <4 x float> %scl4, <4 x float> poison, {_ir_mask([n // 4 for n in range(16)])}",
+             "  %rs4 = mul i64 %rs, 4"]  # fmt: skip
+    for k in range(per):
+        for g in range(4):  # first vector of head g, plane k
+            lines.append(f"  %qk{k}_{g} = mul i64 %nm, {g * per + k}")
+    _ir_splat16(lines, "offv", "%off")
+    lines += ["  br label %grp",
+             "grp:",
+             "  %gi = phi i64 [0, %entry], [%gi.next, %grp.end]",
+             "  %row0 = mul i64 %gi, %rs4",
+             "  %rp0 = getelementptr i8, ptr %k, i64 %row0"]  # fmt: skip
+    lines += [f"  %rp{r} = getelementptr i8, ptr %rp{r - 1}, i64 %rs" for r in range(1, 4)]
+    lines += _ir_prefetch("%pf", "%row0", "%rs4", "grp", "mloop")
+    lines += ["mloop:", "  %mi = phi i64 [0, %grp.pf.end], [%mi.next, %mloop]"]
+    last = {}
+    for n in range(16):  # accumulator n: head n // 4, row n % 4
+        lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %grp.pf.end], [%a{n}.out, %mloop]")
+        last[n] = f"%a{n}.in"
+    lines += ["  %boff = mul i64 %mi, 32"]
+    for k in range(per):  # q: [4 heads, per, nm, 32] int16, the keys' plane order of each head
+        for g in range(4):
+            lines += [f"  %qi{k}_{g} = add i64 %qk{k}_{g}, %mi",
+                      f"  %qp{k}_{g} = getelementptr <32 x i16>, ptr %q, i64 %qi{k}_{g}",
+                      f"  %qv{k}_{g} = load <32 x i16>, ptr %qp{k}_{g}, align 2"]  # fmt: skip
+    for r in range(4):
+        lines.append(f"  %bp{r} = getelementptr i8, ptr %rp{r}, i64 %boff")
+        for k, x in enumerate(_ir_words(lines, f"%bp{r}", f"r{r}", per, signed, "" if signed else "%offv")):
+            for g in range(4):
+                n = g * 4 + r
+                _ir_dot(lines, f"%a{n}.{k}", last[n], x, f"%qv{k}_{g}", isa)
+                last[n] = f"%a{n}.{k}"
+    lines += [f"  %a{n}.out = or <16 x i32> {last[n]}, zeroinitializer" for n in range(16)]
+    lines += ["  %mi.next = add i64 %mi, 1", "  %mc = icmp ult i64 %mi.next, %nm",
+              "  br i1 %mc, label %mloop, label %grp.end", "grp.end:"]  # fmt: skip
+    tot = _ir_reduce16(lines, [f"%a{n}.out" for n in range(16)])
+    lines += [f"  %tf = sitofp <16 x i32> {tot} to <16 x float>", "  %ts = fmul <16 x float> %tf, %sclv",
+              "  %col = mul i64 %gi, 4"]  # fmt: skip
+    for g in range(4):
+        lines += [f"  %o{g} = shufflevector <16 x float> %ts, <16 x float> poison, {_ir_mask(range(4 * g, 4 * g + 4))}",
+                  f"  %or{g} = mul i64 %ld, {g}", f"  %oi{g} = add i64 %or{g}, %col",
+                  f"  %op{g} = getelementptr float, ptr %sc, i64 %oi{g}",
+                  f"  store <4 x float> %o{g}, ptr %op{g}, align 4"]  # fmt: skip
+    lines += ["  %gi.next = add i64 %gi, 1", "  %gc = icmp ult i64 %gi.next, %ngrp",
+              "  br i1 %gc, label %grp, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
+    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH
+
+
+def _vdot_ir(name: str, kind: int, isa: str) -> str:
+    """IR of ``void name(ptr v, i64 rs, i64 npairs, ptr w, i64 wld, ptr acc, i64 ld, i64 dp, ptr winv, i64 span)``:
+    ``acc[g * ld + c] += winv[g] * sum_t w[grp, g, t] * code(t, c)`` over ``2 * npairs`` rows (row ``t`` at
+    ``v + t * rs`` bytes, ``dp`` bytes each) for 4 heads; ``c = k * dp + j`` is the values' plane order
+    (plane ``k`` of byte ``j``), ``grp = j // span`` (``span``: bytes per value group, a multiple of 16).
+    ``w``: int16 ``[groups, 4 heads, *]`` with ``wld`` bytes between rows (the dword at row ``t = 2p`` holds the
+    weights of rows ``2p`` and ``2p + 1``).
+
+    Two rows at a time: their words are interleaved (row ``2p`` in the even word of each dword, ``2p + 1``
+    in the odd one), so one ``vpdpwssd`` multiplies 16 channels of both rows by their two weights. A pass
+    covers two units of 32 bytes x one plane (64 channels): 4 heads x 4 half-units = 16 accumulators."""
+    per, signed = _INT_KINDS[kind]
+    bits = 8 // per
+    inter = [i // 2 + (32 if i % 2 else 0) for i in range(32)]  # words 0..15 of x and y, interleaved
+    lines = [f"define void @{name}(ptr %v, i64 %rs, i64 %npairs, ptr %w, i64 %wld, ptr %acc, i64 %ld, i64 %dp, "
+             "ptr %winv, i64 %span, i64 %off, ptr %pf) {",
+             "entry:",
+             "  %wi4 = load <4 x float>, ptr %winv, align 4",
+             "  %rs2 = mul i64 %rs, 2",
+             f"  %nu.a = mul i64 %dp, {per}",
+             "  %nu = udiv i64 %nu.a, 32",
+             "  %wgrp = mul i64 %wld, 4",
+             "  %off16 = trunc i64 %off to i16",
+             "  %offv.i = insertelement <32 x i16> poison, i16 %off16, i64 0",
+             f"  %offv = shufflevector <32 x i16> %offv.i, <32 x i16> poison, {_ir_mask([0] * 32)}",
+             "  br label %unit",
+             "unit:",
+             "  %ui = phi i64 [0, %entry], [%ui.next, %unit.end]",
+             "  %u.x = mul i64 %ui, 2"]  # fmt: skip
+    for e in range(2):  # unit u = 2 ui + e: 32 bytes at 32 * (u // per), plane u % per
+        lines += [f"  %u{e} = add i64 %u.x, {e}", f"  %pc{e} = udiv i64 %u{e}, {per}",
+                  f"  %pl{e} = urem i64 %u{e}, {per}", f"  %bo{e} = mul i64 %pc{e}, 32"]  # fmt: skip
+        if per > 1:
+            lines += [
+                f"  %sh{e}.s = mul i64 %pl{e}, {bits}",
+                f"  %sh{e}.t = trunc i64 %sh{e}.s to i16",
+                f"  %sh{e}.i = insertelement <32 x i16> poison, i16 %sh{e}.t, i64 0",
+                f"  %sh{e} = shufflevector <32 x i16> %sh{e}.i, <32 x i16> poison, {_ir_mask([0] * 32)}",
+            ]
+        for h in range(2):  # the weight group of each 16-byte half
+            lines += [f"  %gb{e}{h} = add i64 %bo{e}, {16 * h}", f"  %gr{e}{h} = udiv i64 %gb{e}{h}, %span",
+                      f"  %go{e}{h} = mul i64 %gr{e}{h}, %wgrp"]  # fmt: skip
+    lines += [
+        "  %first = icmp eq i64 %ui, 0",
+        "  %pfu = select i1 %first, ptr %pf, ptr null",
+        "  br label %ploop",
+        "ploop:",
+        "  %pi = phi i64 [0, %unit], [%pi.next, %ploop.body]",
+    ]
+    last = {}
+    for n in range(16):  # accumulator n: head n // 4, unit (n % 4) // 2, half n % 2
+        lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %unit], [%a{n}.out, %ploop.body]")
+        last[n] = f"%a{n}.in"
+    lines += ["  %pro = mul i64 %pi, %rs2"]
+    lines += _ir_prefetch("%pfu", "%pro", "%rs2", "ploop", "ploop.body")
+    lines += ["ploop.body:"]
+    lines += ["  %ro = mul i64 %pi, %rs2", "  %r0p = getelementptr i8, ptr %v, i64 %ro",
+              "  %r1p = getelementptr i8, ptr %r0p, i64 %rs", "  %wo = mul i64 %pi, 4",
+              "  %wp = getelementptr i8, ptr %w, i64 %wo"]  # fmt: skip
+    for e in range(2):
+        planes = []
+        for r in range(2):
+            x = f"%x{e}{r}"
+            lines += [f"  {x}.p = getelementptr i8, ptr %r{r}p, i64 %bo{e}", f"  {x}.b = load <32 x i8>, ptr {x}.p, align 1",
+                      f"  {x}.w = {'sext' if signed else 'zext'} <32 x i8> {x}.b to <32 x i16>"]  # fmt: skip
+            if per > 1:
+                lines += [
+                    f"  {x}.s = lshr <32 x i16> {x}.w, %sh{e}",
+                    f"  {x}.m = and <32 x i16> {x}.s, {_ir_vec('i16', [(1 << bits) - 1] * 32)}",
+                ]
+            else:
+                lines.append(f"  {x}.m = or <32 x i16> {x}.w, zeroinitializer")
+            if signed:
+                planes.append(f"{x}.m")
+            else:  # offset-binary codes minus their offset: signed and centred
+                lines.append(f"  {x} = sub <32 x i16> {x}.m, %offv")
+                planes.append(x)
+        for h in range(2):
+            xy = f"%xy{e}{h}"
+            msk = [i + 16 * h for i in inter]
+            lines.append(f"  {xy} = shufflevector <32 x i16> {planes[0]}, <32 x i16> {planes[1]}, {_ir_mask(msk)}")
+            for g in range(4):
+                wg = f"%wg{e}{h}{g}"
+                lines += [f"  {wg}.r = mul i64 %wld, {g}", f"  {wg}.o = add i64 %go{e}{h}, {wg}.r", f"  {wg}.p = getelementptr i8, ptr %wp, i64 {wg}.o",
+                          f"  {wg}.s = load i32, ptr {wg}.p, align 2",
+                          f"  {wg}.i = insertelement <16 x i32> poison, i32 {wg}.s, i64 0",
+                          f"  {wg}.v = shufflevector <16 x i32> {wg}.i, <16 x i32> poison, {_ir_mask([0] * 16)}",
+                          f"  {wg} = bitcast <16 x i32> {wg}.v to <32 x i16>"]  # fmt: skip
+                n = g * 4 + e * 2 + h
+                _ir_dot(lines, f"%a{n}.d", last[n], xy, wg, isa)
+                last[n] = f"%a{n}.d"
+    lines += [f"  %a{n}.out = or <16 x i32> {last[n]}, zeroinitializer" for n in range(16)]
+    lines += ["  %pi.next = add i64 %pi, 1", "  %pc = icmp ult i64 %pi.next, %npairs",
+              "  br i1 %pc, label %ploop, label %unit.end", "unit.end:"]  # fmt: skip
+    for e in range(2):  # plane-order channel of unit e: plane * dp + 32 * piece
+        lines += [f"  %cb{e}.a = mul i64 %pl{e}, %dp", f"  %cb{e} = add i64 %cb{e}.a, %bo{e}"]
+    for g in range(4):
+        lines += [f"  %wi{g} = extractelement <4 x float> %wi4, i64 {g}",
+                  f"  %wiv{g}.i = insertelement <16 x float> poison, float %wi{g}, i64 0",
+                  f"  %wiv{g} = shufflevector <16 x float> %wiv{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}",
+                  f"  %ab{g} = mul i64 %ld, {g}"]  # fmt: skip
+        for e in range(2):
+            for h in range(2):
+                n = g * 4 + e * 2 + h
+                lines += [f"  %f{n} = sitofp <16 x i32> %a{n}.out to <16 x float>",
+                          f"  %c{n}.a = add i64 %ab{g}, %cb{e}", f"  %c{n} = add i64 %c{n}.a, {16 * h}",
+                          f"  %p{n} = getelementptr float, ptr %acc, i64 %c{n}",
+                          f"  %o{n} = load <16 x float>, ptr %p{n}, align 4",
+                          f"  %m{n} = fmul <16 x float> %f{n}, %wiv{g}",
+                          f"  %s{n} = fadd <16 x float> %o{n}, %m{n}",
+                          f"  store <16 x float> %s{n}, ptr %p{n}, align 4"]  # fmt: skip
+    lines += ["  %ui.next = add i64 %ui, 1", "  %uc.n = mul i64 %ui.next, 2", "  %uc = icmp ult i64 %uc.n, %nu",
+              "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
+    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH
+
+
+_SIMD_LIBS: dict = {}
+
+
+def _simd_isa(context) -> str:
+    """The instruction set the target machine of ``context`` offers for int16 dot products."""
+    feats = set(getattr(context.codegen(), "_tm_features", "").split(","))
+    if "+avx512bw" in feats:
+        return "vnni" if "+avx512vnni" in feats else "bw"
+    return "generic"
+
+
+def _simd_function(context, role: str, kind: int) -> str:
+    """Name of the generated LLVM function (``role`` "k" or "v"), its library linked into the caller."""
+    from llvmlite import binding as llvm
+
+    isa = _simd_isa(context)
+    name = f"kvpack_{role}dot_{kind}_{isa}"
+    cg = context.codegen()
+    lib = _SIMD_LIBS.get((id(cg), name))
+    if lib is None:
+        lib = cg.create_library(name)
+        mod = llvm.parse_assembly((_kdot_ir if role == "k" else _vdot_ir)(name, kind, isa))
+        mod.triple = llvm.get_process_triple()
+        lib.add_llvm_module(mod)
+        _SIMD_LIBS[(id(cg), name)] = lib
+    context.add_linking_libs([lib])
+    return name
+
+
+def _simd_codegen(role: str, kind: int):
+    """Codegen calling the generated function: every array argument is followed by an element offset (the
+    two become one pointer), every other argument is an integer (passed as i64). The last pair is the next
+    block's rows to prefetch; offset 0 (the null block) passes a null pointer: nothing to prefetch."""
+
+    def codegen(context, builder, signature, vals):
+        name = _simd_function(context, role, kind)
+        out, i = [], 0
+        while i < len(vals):
+            ty = signature.args[i]
+            if isinstance(ty, types.Array):
+                ary = context.make_array(ty)(context, builder, vals[i])
+                off = context.cast(builder, vals[i + 1], signature.args[i + 1], types.int64)
+                nbytes = builder.mul(off, ir.Constant(ir.IntType(64), ty.dtype.bitwidth // 8))
+                ptr = cgutils.pointer_add(builder, ary.data, nbytes, ir.IntType(8).as_pointer())
+                if i == len(vals) - 2:  # the last pair: the next block to prefetch, offset 0 for none
+                    ptr = builder.select(builder.icmp_unsigned("==", off, off.type(0)), ptr.type(None), ptr)
+                out.append(ptr)
+                i += 2
+            else:
+                out.append(context.cast(builder, vals[i], ty, types.int64))
+                i += 1
+        fnty = ir.FunctionType(ir.VoidType(), [v.type for v in out])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), out)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _kdot_intrinsic(kind: int):
+    @intrinsic
+    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo):
+        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo)
+        return sig, _simd_codegen("k", kind)
+
+    return kdot
+
+
+def _vdot_intrinsic(kind: int):
+    @intrinsic
+    def vdot(typingctx, pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo):
+        sig = types.void(pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo)
+        return sig, _simd_codegen("v", kind)
+
+    return vdot
+
+
+_kdot_s8, _kdot_u8, _kdot_u4, _kdot_u2 = (_kdot_intrinsic(kind) for kind in (S8, U8, U4, U2))
+_vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2 = (_vdot_intrinsic(kind) for kind in (S8, U8, U4, U2))
+
+
+@njit(**_NOREF)
+def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pfo):
+    """Scores of ``4 * ngrp`` rows for 4 heads with int16 queries (see :func:`_kdot_ir`)."""
+    if kind == S8:
+        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+    elif kind == U8:
+        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+    elif kind == U4:
+        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+    else:
+        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+
+
+@njit(**_NOREF)
+def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pfo):
+    """Weighted sums of ``2 * npairs`` value rows for 4 heads with int16 weights (see :func:`_vdot_ir`)."""
+    if kind == S8:
+        _vdot_s8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+    elif kind == U8:
+        _vdot_u8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+    elif kind == U4:
+        _vdot_u4(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+    else:
+        _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, lo, tail, h, kv_heads, bs, st):
+def _q16_keys(qf, lim, cbar, q16, qinv, kc):
+    """The folded query ``qf`` ``[G4, D]`` (keys' plane order) as int16 ``q16`` ``[G4 * D]`` (the same order,
+    which :func:`_kdot_ir` reads), scaled per head to ``lim`` at its largest magnitude; ``qinv[g]`` ``[G4]``
+    undoes the scaling. Rounding moves channel ``c`` by ``r_c`` (``|r_c| <= 0.5 max|qf[g]| / lim``), the
+    score by ``sum_c r_c * code_c``; its part common to every token, ``cbar * sum_c r_c`` (``cbar``: the
+    codes' midpoint, 0 for signed or centred ones), is taken out of ``kc[g]``, leaving
+    ``sum_c r_c (code_c - cbar)``."""
+    g_n = kc.shape[0]
+    g4, d = qf.shape
+    flim = np.float32(lim)
+    ud = U64(d)
+    for g in range(g4):
+        row = qf[g]
+        mb = np.int32(0)
+        for i in range(ud):
+            b = _f32_bits(row[i]) & np.int32(0x7FFFFFFF)  # |x| as ordered int bits
+            mb = b if b > mb else mb
+        mx = _as_f32(mb)
+        s = flim / mx if mx > 0 else _ZERO
+        inv = mx / flim
+        qinv[g] = inv
+        o = U64(g * d)
+        for i in range(ud):
+            q16[o + i] = np.int16(np.rint(row[i] * s))
+        if g < g_n and cbar != 0:
+            rsum = _ZERO
+            for i in range(ud):
+                rsum += np.rint(row[i] * s) * inv - row[i]
+            kc[g] -= cbar * rsum
+
+
+@njit(fastmath=FASTMATH, **_NOREF)
+def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
+    """Attention weights ``p[g, t] * sv[grp * vts + t]`` (``t`` dropped when ``vts`` is 1: a scale per block)
+    of rows ``[ta, tb)`` as int16 ``w16`` ``[G4 // 4, ngv, 4, B]`` (row ``t`` at ``t - ta``), zero outside
+    ``[u0, u1)`` and for padding heads. ``p <= pmax[g]`` (head ``g``'s largest in the block), so ``pmax[g]``
+    times the block's largest scale bounds head ``g``'s weights: that bound is scaled to ``lim``, ``winv[g]``
+    undoes it (no pass over the weights to find their max)."""
+    g4 = winv.shape[0]
+    bs = w16.shape[0] // (g4 * ngv)
+    mb = np.int32(0)
+    s0, s1 = (U64(u0), U64(u1)) if vts > 1 else (U64(0), U64(1))
+    for grp in range(ngv):
+        so = U64(grp * vts)
+        for t in range(s0, s1):
+            b = _f32_bits(sv[so + t]) & np.int32(0x7FFFFFFF)
+            mb = b if b > mb else mb
+    mx = _as_f32(mb)
+    flim = np.float32(lim)
+    for g in range(g4):
+        bound = mx * min(pmax[g], np.float32(1.0)) if g < g_n else _ZERO
+        s = flim / bound if bound > 0 else _ZERO
+        winv[g] = bound / flim
+        for grp in range(ngv):
+            o = U64((((g // 4) * ngv + grp) * 4 + g % 4) * bs - ta)
+            for t in range(U64(ta), U64(tb)):
+                w16[o + t] = 0
+            if g >= g_n:
+                continue
+            row = p[g]
+            so = U64(grp * vts)
+            if vts > 1:
+                for t in range(U64(u0), U64(u1)):
+                    w16[o + t] = np.int16(np.rint(row[t] * sv[so + t] * s))
+            else:
+                sg = sv[so] * s
+                for t in range(U64(u0), U64(u1)):
+                    w16[o + t] = np.int16(np.rint(row[t] * sg))
+
+
+@njit(fastmath=FASTMATH, **_NOREF)
+def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc, qo):
+    """``sc[g, t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16) of the
+    ``nout`` outlier channels ``idx_j`` of block-and-head ``bh``. ``qp``: the query in the keys' plane order,
+    pre-scaled but not folded (the residual is in key units); ``qo``: scratch of ``G * nout``."""
+    no = U64(nout)
+    gn = U64(g_n)
+    for j in range(no):
+        c = np.int64(kidx[1][bh * no + j]) if idx16 else np.int64(kidx[0][bh * no + j])
+        pc = (c % kper) * kdp + c // kper  # natural channel -> the keys' plane order
+        for g in range(gn):
+            qo[g * no + j] = qp[g, pc]
+    rb = bh * U64(sc.shape[1]) * no
+    for t in range(U64(u0), U64(u1)):
+        for j in range(no):
+            r = _half(kout[1][rb + t * no + j])
+            for g in range(gn):
+                sc[g, t] += qo[g * no + j] * r
+
+
+@njit(fastmath=FASTMATH, **_NOREF)
+def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, lo, tail, h, kv_heads, bs, st, kout,
+            kidx):  # fmt: skip
     """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only.
 
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
@@ -463,9 +1005,12 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
     ``[G, nkg]`` its sums per key scale group; m, lsum ``[G]`` running max (base 2) and sum; acc ``[G, D]``
     in the values' plane order; zacc ``[G, nvg]`` zero-point / offset terms per value group; buf
     ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; the rest is scratch.
+    kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
+    (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
+    ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
     """
-    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx = st
-    g_n, d = sc.shape[0], qp.shape[1]
+    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv = st
+    g_n, d = w.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
     vper, vskind, vts, vcs = vp[P_PER], vp[P_SKIND], vp[P_TS], vp[P_CS]
     kdp = d // kper
@@ -477,6 +1022,16 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
     krs = U64(kp[P_ROW])
     vrs = U64(vp[P_ROW])
     grouped = kskind != SC_NONE and kts > 1
+    nout = kp[P_NOUT]
+    kint = kp[P_DOT] > 0  # integer dot products (see _kdot_ir); the launcher checks the layout allows it
+    vint = vp[P_DOT] > 0
+    ngv = vcs if vcs > 1 else 1
+    # the integer path subtracts the offset of offset-binary codes in the loop (signed, centred codes): the
+    # per-block constants then leave it out; codes with a zero-point keep their midpoint (see _q16_keys)
+    kfoff = _ZERO if kint else koff
+    vzoff = _ZERO if vint else voff
+    kcbar = _ZERO if (kp[P_KIND] == S8 or kp[P_OFF] != 0) else np.float32(((1 << (8 // kper)) - 1) / 2)
+    vspan = vdp // vcs if vcs > 1 else vdp
     for j in range(j0, j1):
         if tail:
             idx = b
@@ -492,8 +1047,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             continue
         t0 = max(lo - pos0, 0)
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
-        # the next block is fetched while this one is computed (block ids are random: no hardware prefetch)
-        nxt = np.int64(tables[b, j + 1]) if (not tail and j + 1 < j1) else np.int64(0)
+        # the block after next is fetched while this one is computed (random block ids: no hardware prefetch)
+        nxt = np.int64(tables[b, j + 2]) if (not tail and j + 2 < j1) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
         vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs if nxt else U64(0)
         if nxt:  # its scales and zero-points too: a few scattered cache lines per block
@@ -513,26 +1068,37 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         if kskind != SC_NONE and not grouped:
             # scale constant over the block's tokens: fold it into the query once per block
             so = U64((idx * kp[P_HS] + khs) * kcs)
+            kzt = kp[P_ZKIND] != SC_NONE or kfoff != 0  # a per-block constant kc to compute
             _scales(kscl, kskind, so, kcs, sk)
-            _scales(kzero, kp[P_ZKIND], so, kcs, zk)
+            if kzt:
+                _scales(kzero, kp[P_ZKIND], so, kcs, zk)
+            pks = sk if (kcs > 1 and kper == 1) else pk  # the scales in the keys' plane order
             if kcs == 1:
                 for i in range(d):
                     pk[i] = sk[0]
-                    zp[i] = zk[0] - koff * sk[0]
+                    zp[i] = zk[0] - kfoff * sk[0] if kzt else _ZERO
+            elif kper == 1:
+                if kzt:
+                    for i in range(U64(d)):
+                        zp[i] = zk[i] - kfoff * sk[i]
             else:
                 for k in range(kper):  # natural channel kper * j + k -> plane index k * kdp + j
                     kb = U64(k * kdp)
                     for jj in range(U64(kdp)):
                         c = U64(kper) * jj + U64(k)
                         pk[kb + jj] = sk[c]
-                        zp[kb + jj] = zk[c] - koff * sk[c]
+                        zp[kb + jj] = zk[c] - kfoff * sk[c] if kzt else _ZERO
             for g in range(g_n):
+                for i in range(U64(d)):
+                    qf[g, i] = qp[g, i] * pks[i]
                 c0 = _ZERO
-                for i in range(d):
-                    qf[g, i] = qp[g, i] * pk[i]
-                    c0 += qp[g, i] * zp[i]
+                if kzt:
+                    for i in range(U64(d)):
+                        c0 += qp[g, i] * zp[i]
                 kc[g] = c0
             qsrc = qf
+            if kint:
+                _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
             so = U64((idx * kp[P_HS] + khs) * bs * kcs)
@@ -540,7 +1106,13 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             _scales_t(kzero, kp[P_ZKIND], so, bs, kcs, pk, zk)
         for g in range(g_n):
             mxb[g] = -np.inf
-        for t in range(t0, t1, TILE):
+        if kint:  # rows from t0 rounded down to 4 (they exist: block_size is a multiple of 4), max over [t0, t1)
+            ta = t0 - t0 % 4
+            for g0 in range(0, g_n, 4):  # the first pass prefetches the block after next
+                kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
+                _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
+                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf)  # fmt: skip
+        for t in range(t0, t1 if not kint else t0, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
                          kcs if (grouped and kcs > 1) else 0, sx, buf, knext)  # fmt: skip
@@ -557,6 +1129,16 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
                                 e = grp * bs + tr
                                 zt += qsum[g, grp] * (zk[e] - koff * sk[e])
                             sc[g, tr] += zt
+        if nout:  # outlier key channels: + q[idx_j] * residual[t, j] (query not folded)
+            _outlier_scores(kout, kidx, kp[P_IDX16], U64(idx * kv_heads + h), nout, qp, kper, kdp, g_n, u0, u1, sc, zp)
+        if kint or nout:
+            for g in range(g_n):
+                row = sc[g]
+                ib = _order_key(row[t0])
+                for t in range(u0, u1):
+                    x = _order_key(row[t])
+                    ib = x if x > ib else ib
+                mxb[g] = _from_order_key(ib)
         # ---- online softmax (base 2)
         for g in range(g_n):
             mb = mxb[g]
@@ -567,6 +1149,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
                     mb = x if x > mb else mb
             mb += kc[g]
             mnew = mb if mb > m[g] else m[g]
+            mxb[g] = _exp2(mb - mnew)  # the block's largest weight p (bounds the int16 weights)
             alpha = _exp2(m[g] - mnew)
             shift = kc[g] - mnew
             ls = _ZERO
@@ -587,20 +1170,20 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             so = U64((idx * vp[P_HS] + vhs) * vts * vcs)
             _scales_t(vscl, vskind, so, vts, vcs, pk, sv)  # sv[grp * vts + t]
             _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zv)
-            for grp in range(vcs if (vp[P_ZKIND] != SC_NONE or voff != 0) else 0):
+            for grp in range(vcs if (vp[P_ZKIND] != SC_NONE or vzoff != 0) else 0):
                 # zero-point / offset terms: sum_t p * (z - off * s), per group
                 gb = U64(grp * vts)
                 for g in range(g_n):
                     zsum = _ZERO
                     if vts > 1:
                         for t in range(u0, u1):
-                            zsum += sc[g, t] * (zv[gb + t] - voff * sv[gb + t])
+                            zsum += sc[g, t] * (zv[gb + t] - vzoff * sv[gb + t])
                     else:
-                        zz = zv[grp] - voff * sv[grp]
+                        zz = zv[grp] - vzoff * sv[grp]
                         for t in range(u0, u1):
                             zsum += sc[g, t] * zz
                     zacc[g, grp] += zsum
-            for g in range(g_n):  # weights: p, times the scale when it is one per token (or block)
+            for g in range(g_n if not vint else 0):  # weights: p, times the scale when one per token (or block)
                 if vcs == 1 and vts > 1:
                     for t in range(u0, u1):
                         w[g, t] = sc[g, t] * sv[t]
@@ -612,7 +1195,15 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             for g in range(g_n):
                 for t in range(u0, u1):
                     w[g, t] = sc[g, t]
-        for t in range(t0, t1, TILE):
+        if vint:  # rows from t0 rounded down to 2 (block_size is even), weights 0 outside [t0, t1)
+            ta = t0 - t0 % 2
+            tb = min(t1 + t1 % 2, bs)
+            _w16_values(sc, g_n, t0, t1, ta, tb, sv, vts, ngv, vp[P_DOT], mxb, w16, winv)
+            for g0 in range(0, g_n, 4):
+                vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
+                _vdot_int(vp[P_KIND], vpay[0], vbase + U64(ta) * vrs, vrs, (tb - ta) // 2, w16, g0 * ngv * bs,
+                          2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf)  # fmt: skip
+        for t in range(t0, t1 if not vint else t0, TILE):
             nt = min(TILE, t1 - t)
             # scales along the row (groups, channels) are applied to the decoded rows
             _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
@@ -670,7 +1261,7 @@ def plan(seq_lens, start_pos, window, block_size, kv_heads, target_items, min_ch
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True)
 def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-         start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc):  # fmt: skip
+         start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """Run work items ``[i0, i1)`` (releases the GIL: the launcher runs slices on several threads).
 
     q: ``[batch, Hq, D]`` float32. kpay/vpay: flat (uint8, uint16, float32) views of the payload pools
@@ -678,7 +1269,8 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
     int64 spec parameters (``P_*``); tailk/tailv: flat views of the tails ``[batch, H, B, D]``, read with
     the passthrough specs tpk/tpv (same plane order as kp/vp); tables: ``[batch, max_blocks]`` int32;
     seq_lens, start_pos: ``[batch]`` int32; window: -1 for none; qscale: ``sm_scale * log2(e)``;
-    items: from :func:`plan`. Writes the partial results pm, pl ``[n_items, G]`` (base-2 max, sum) and
+    items: from :func:`plan`; kout, kidx: outlier key channels (see :func:`_attend`).
+    Writes the partial results pm, pl ``[n_items, G]`` (base-2 max, sum) and
     pacc ``[n_items, G, D]`` (unnormalized output, natural channel order).
     """
     hq, d = q.shape[1], q.shape[2]
@@ -692,7 +1284,7 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
     nvg = vp[P_CS] if vp[P_SKIND] != SC_NONE else 1
     vgs = d // nvg
     kspan = (d // nkg) // kper
-    nscr = max(d, kp[P_TS] * kp[P_CS], vp[P_TS] * vp[P_CS])
+    nscr = max(d, kp[P_TS] * kp[P_CS], vp[P_TS] * vp[P_CS], g_n * kp[P_NOUT])
     g4 = (g_n + 3) // 4 * 4  # heads are processed four at a time; rows past g_n are zero padding
     qp = np.zeros((g4, d), np.float32)
     qsum = np.zeros((g_n, nkg), np.float32)
@@ -700,11 +1292,13 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
     lsum = np.empty(g_n, np.float32)
     acc = np.empty((g4, d), np.float32)
     zacc = np.empty((g_n, nvg), np.float32)
-    st = (qp, qsum, m, lsum, acc, zacc, np.empty((g_n, bs), np.float32), np.empty((g_n, bs), np.float32),
+    ngv = vp[P_CS] if (vp[P_CS] > 1 and vp[P_SKIND] != SC_NONE) else 1
+    st = (qp, qsum, m, lsum, acc, zacc, np.zeros((g4, bs), np.float32), np.empty((g_n, bs), np.float32),
           np.empty(g_n, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
-          np.empty((TILE, d), np.float32), np.empty(d, np.float32))  # fmt: skip
+          np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
+          np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32))  # fmt: skip
     for it in range(i0, i1):
         b = items[it, 0]
         h = items[it, 1]
@@ -727,9 +1321,10 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
         acc[:] = 0.0
         zacc[:] = 0.0
         _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n, lo, False, h,
-                kv_heads, bs, st)  # fmt: skip
+                kv_heads, bs, st, kout, kidx)  # fmt: skip
         if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
-            _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, n, lo, True, h, kv_heads, bs, st)
+            _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, n, lo, True, h, kv_heads, bs, st,
+                    kout, kidx)  # fmt: skip
         for g in range(g_n):
             pm[it, g] = m[g]
             pl[it, g] = lsum[g]
