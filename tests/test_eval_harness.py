@@ -1,10 +1,13 @@
 """The whole evaluation end to end on a tiny random model: determinism, a planted broken format, the report."""
 
 import json
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
+from kvpack.calibration.static import CalibrationDriftWarning
 from kvpack.evaluation.report import summary_table, write_report
 from kvpack.evaluation.runner import Runner, wrap
 from kvpack.evaluation.suite import EvalConfig, run_eval
@@ -183,7 +186,11 @@ def test_static_variants_run_through_the_harness(lm, calibration_dir):
 
     kw = dict(lengths=[384], attribution=["int4@static"], sensitivity_tokens=160, speculative_tokens=0)
     cfg = small_config(formats=["fp16", "fp8", "fp8@static", "int4", "int4@static"], calibration=calibration_dir, **kw)
-    r = run_eval(cfg, lm=lm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run_eval(cfg, lm=lm)
+    assert not [w for w in caught if w.category is CalibrationDriftWarning]
+    assert r["calibration"]["drift_warnings"]["count"] >= 0
     fid = r["fidelity"]["variants"]
     # calibrated scales are different scales: the numbers move, and stay in the format's range of damage
     for name in ("fp8", "int4"):
@@ -221,3 +228,22 @@ def test_static_and_outlier_variants_agree_across_engines(lm, calibration_dir):
     fmt = real["formats"]
     assert fmt["fp8-o4"]["bits_per_element"] > fmt["fp8@static"]["bits_per_element"]
     assert fmt["fp8-o4"]["measured_cache_bytes"] > fmt["fp8@static"]["measured_cache_bytes"]
+
+
+def test_drift_warnings_are_collected_not_printed(lm, tmp_path):
+    from types import SimpleNamespace
+
+    from kvpack.calibration.run import calibrate
+
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens=False: lm.encode(text))
+    calibrate(lm.model, tok, samples=1, seq_len=8, format="int4@static").save(tmp_path)  # far too little text
+    cfg = small_config(
+        formats=["fp16", "int4@static"], calibration=tmp_path, lengths=[], attribution=[], engine="kvpack"
+    )
+    cfg = replace(cfg, sensitivity_tokens=0, speculative_tokens=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run_eval(cfg, lm=lm)
+    assert not [w for w in caught if w.category is CalibrationDriftWarning]  # not once per cache on stderr
+    drift = r["calibration"]["drift_warnings"]
+    assert drift["count"] > 0 and "fell outside the calibrated range" in drift["first"][0], drift

@@ -171,4 +171,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(summary_table(results))
         print(f"\nreport: {page}  (results: {page.parent / 'results.json'})")
+    drift = results.get("calibration", {}).get("drift_warnings", {})
+    if drift.get("count"):
+        print(
+            f"kvpack eval: {drift['count']} calibration drift warning(s): static scales clipped more than the "
+            f"threshold, e.g. {drift['first'][0]} (all in results.json, calibration.drift_warnings)",
+            file=sys.stderr,
+        )
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -325,12 +326,33 @@ def run_eval(
 ) -> dict:
     """Run the evaluation ``cfg`` describes and return every result as a JSON-ready dict.
 
+    Calibration drift warnings of static formats (one per cache that clipped too much, so dozens per run)
+    are collected into ``results["calibration"]["drift_warnings"]`` instead of being printed; any other
+    warning is re-emitted after the run.
+
     Args:
         cfg: the configuration.
         lm: an already loaded model (default: load ``cfg.model``).
         progress: progress sink (default: silent).
         runner_kw: passed to :class:`Runner` (tests pass ``zero_keys_for=[name]`` to plant a broken format).
     """
+    from kvpack.calibration.static import CalibrationDriftWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CalibrationDriftWarning)
+        try:
+            results = _run_eval(cfg, lm, progress, **runner_kw)
+        finally:
+            others = [w for w in caught if not issubclass(w.category, CalibrationDriftWarning)]
+    for w in others:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    drift = [str(w.message) for w in caught if issubclass(w.category, CalibrationDriftWarning)]
+    if "calibration" in results:
+        results["calibration"]["drift_warnings"] = {"count": len(drift), "first": drift[:3]}
+    return results
+
+
+def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None, **runner_kw: Any) -> dict:
     cfg.check()
     progress = progress or NullProgress()
     timings: dict[str, float] = {}
