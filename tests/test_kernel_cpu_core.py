@@ -121,3 +121,30 @@ def test_unsupported_case_falls_back_with_one_warning_naming_why():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reasons do not warn twice
         decode_attention(q, kv)
+
+
+def test_fp16_scale_decoding_is_exact_for_every_half():
+    """Stored fp16 scales and zero-points are decoded by the hardware conversion where the CPU has one and
+    by the branch-free bit decoder otherwise: both must give torch's float32 for all 65536 bit patterns
+    (normals, subnormals, signed zeros, infinities, NaNs)."""
+    import numpy as np
+    from numba import njit
+
+    nb = cpu._nb()
+
+    @njit
+    def decode_both(bits, hw, sw):
+        for i in range(bits.shape[0]):
+            hw[i] = nb._half_hw(bits[i]) if nb._HW_HALF else nb._half(bits[i])
+            sw[i] = nb._half(bits[i])
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    hw, sw = np.empty(1 << 16, np.float32), np.empty(1 << 16, np.float32)
+    decode_both(bits, hw, sw)
+    arrs = (np.zeros(1, np.uint8), bits, np.zeros(1, np.float32))
+    scales = np.empty(1 << 16, np.float32)
+    njit(lambda a, o: nb._scales(a, nb.SC_F16, 0, 1 << 16, o))(arrs, scales)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.float16).float().numpy()
+    for got in (hw, sw, scales):
+        assert np.array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+        assert np.isnan(got[np.isnan(want)]).all()
