@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpack.errors import ShapeError, UnsupportedError
+from kvpack.errors import ShapeError
 from kvpack.formats import DType, QuantSpec, ScaleDType
-from kvpack.kernels.views import PagedKV
+from kvpack.kernels.views import PagedKV, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = ["MIN_CHUNK_TOKENS", "SUPPORTS_OUTLIERS", "decode_attention", "int_dot_enabled", "reasons_unsupported"]
@@ -282,12 +282,7 @@ def decode_attention(
         UnsupportedError: a view of rotated keys (``kv.key_rotation``): go through
             :func:`kvpack.kernels.decode_attention`, which rotates the query.
     """
-    if kv.key_rotation is not None:
-        raise UnsupportedError(
-            "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
-            "the query, instead of the backend directly",
-            ["rotated keys need a rotated query"],
-        )
+    refuse_rotated(kv)
     _check(q, kv, out)
     nbm = _nb()
     d = kv.head_dim

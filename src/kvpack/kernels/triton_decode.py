@@ -23,7 +23,7 @@ import torch
 
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
-from kvpack.kernels.views import PagedKV
+from kvpack.kernels.views import PagedKV, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = [
@@ -210,12 +210,7 @@ def _check_outliers(kv: PagedKV) -> None:
 
 
 def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
-    if kv.key_rotation is not None:
-        raise UnsupportedError(
-            "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
-            "the query, instead of the backend directly",
-            ["rotated keys need a rotated query"],
-        )
+    refuse_rotated(kv)
     batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
     if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != d or q.shape[1] % h:
         raise ShapeError(

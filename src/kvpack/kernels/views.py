@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpack.errors import UnsupportedError
 from kvpack.formats import KVFormat
 
-__all__ = ["PagedKV"]
+__all__ = ["PagedKV", "refuse_rotated"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,14 @@ class PagedKV:
     @property
     def device(self) -> torch.device:
         return self.tail_k.device
+
+
+def refuse_rotated(kv: PagedKV) -> None:
+    """Raise :class:`UnsupportedError` for a view of rotated keys: a fused backend called directly would read
+    them with an unrotated query (the dispatcher rotates the query and passes a view without the rotation)."""
+    if kv.key_rotation is not None:
+        raise UnsupportedError(
+            "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
+            "the query, instead of the backend directly",
+            ["rotated keys need a rotated query"],
+        )
