@@ -62,7 +62,6 @@ def layer_sensitivity(
     Returns:
         name -> per-layer ``||o_q - o|| / ||o||`` over the chunk's positions.
     """
-    from kvpack.evaluation.simulate import SimulatedCache
 
     lm = runner.lm
     mods = attention_modules(lm.model)
@@ -94,8 +93,7 @@ def layer_sensitivity(
                 raise ConfigError(
                     f"layer {m.layer_idx}'s attention module got its cache positionally; cannot replay it"
                 )
-            scales = [None if f is None else runner.scales_for(f) for f in layer_formats]
-            kw[key] = SimulatedCache(layer_formats, scales=scales)
+            kw[key] = runner.cache(None, len(ids), layer_formats=layer_formats)  # simulate engine, calibrated
             got = m(*args, **kw)[0]
             r, g = ref[:, start:].double(), got[:, start:].double()
             errs.append(float((g - r).norm() / r.norm().clamp_min(1e-30)))

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpack.cache.write import seal_outliers
 from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
-from kvpack.outliers import dequantize_outliers, quantize_outliers
-from kvpack.quant import dequantize, quantize, scale_torch_dtype
+from kvpack.outliers import apply_residual
+from kvpack.quant import dequantize, quantize
 from kvpack.rotation import key_rotation, rotate, unrotate
 
 if TYPE_CHECKING:
@@ -51,13 +52,9 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
         flat = rotate(flat.float(), r)
     if spec.static and scales is None:
         raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
-    if spec.outliers:  # channels chosen per block at seal time, as the paged cache does without calibration
-        scale = zero = None
-        if spec.static:
-            want = spec.scale_shape(h, 1, d)
-            scale = scales.scale.to(scale_torch_dtype(spec.scale_dtype)).unsqueeze(0).expand(b * n, *want)
-            zero = None if scales.zero is None else scales.zero.unsqueeze(0).expand(b * n, *want)
-        rec = dequantize_outliers(quantize_outliers(flat, spec, scale=scale, zero=zero))
+    if spec.outliers:  # the cache's own seal; channels chosen per block, as without a calibration artifact
+        qt, _, (residual, idx) = seal_outliers(flat, spec, scales)
+        rec = apply_residual(dequantize(qt, torch.float32), residual, idx)
     elif spec.static:
         rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
     else:

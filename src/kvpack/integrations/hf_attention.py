@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvpack import kernels
 from kvpack.errors import ConfigError, ShapeError, UnsupportedError
-from kvpack.kernels.reference import attention_mask, check_query, dense_history
+from kvpack.kernels.reference import attention_mask, check_query, row_history
 from kvpack.kernels.views import PagedKV
 
 __all__ = [
@@ -123,14 +123,8 @@ def chunk_attention(
     group = hq // kv.kv_heads
     out = torch.empty(batch, t, hq, d, dtype=q.dtype, device=q.device)
     for row in range(batch):
-        k, v = dense_history(kv, row)  # [H, n, D] float32
+        k, v, start = row_history(kv, row, t, group)  # [Hq, n, D] float32
         n = k.shape[1]
-        if n < t:
-            raise ShapeError(f"sequence {row} holds {n} tokens, fewer than the {t} queries; append the chunk first")
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
-        start = int(kv.start_pos[row]) if kv.start_pos is not None else 0
         qr = q[row].transpose(0, 1).float()  # [Hq, T, D]
         for c0 in range(0, t, _QUERY_CHUNK):
             c1 = min(t, c0 + _QUERY_CHUNK)

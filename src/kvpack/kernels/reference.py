@@ -71,6 +71,23 @@ def check_query(q: torch.Tensor, kv: PagedKV) -> None:
         )
 
 
+def row_history(kv: PagedKV, row: int, t: int, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the last ``t`` queries of sequence ``row`` attend: keys and values ``[H * group, n, D]`` float32
+    (repeated for grouped-query attention) and the first attended position (``kv.start_pos``, else 0).
+
+    Raises:
+        ShapeError: the sequence holds fewer than ``t`` tokens (the chunk was not appended first).
+    """
+    k, v = dense_history(kv, row)  # [H, n, D]
+    n = k.shape[1]
+    if n < t:
+        raise ShapeError(f"sequence {row} holds {n} tokens, fewer than the {t} queries; append the chunk first")
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    return k, v, int(kv.start_pos[row]) if kv.start_pos is not None else 0
+
+
 def attention_mask(n: int, q_lo: int, q_hi: int, window: int | None, start: int, device: torch.device) -> torch.Tensor:
     """``[q_hi - q_lo, n]`` bool: query at position ``p`` in ``[q_lo, q_hi)`` may attend key position ``j``
     when ``start <= j <= p`` and, with a window, ``j > p - window``."""
@@ -111,15 +128,10 @@ def paged_attention_reference(
     group = hq // kv.kv_heads
     out = torch.empty(batch, t, hq, d, dtype=torch.float32, device=q.device)
     for row in range(batch):
-        k, v = dense_history(kv, row)  # [H, n, D]
+        k, v, start = row_history(kv, row, t, group)  # [Hq, n, D]
         n = k.shape[1]
-        if n < t:
-            raise ShapeError(f"sequence {row} holds {n} tokens, fewer than the {t} queries; append the chunk first")
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
         qr = q[row].float().transpose(0, 1)  # [Hq, T, D]
         scores = (qr @ k.transpose(1, 2)) * sm_scale  # [Hq, T, n]
-        start = int(kv.start_pos[row]) if kv.start_pos is not None else 0
         mask = attention_mask(n, n - t, n, window, start, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
