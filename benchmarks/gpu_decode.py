@@ -10,6 +10,7 @@
    ``triton:<format>`` (fused kernel on the paged cache), ``sdpa:fp16`` / ``sdpa:bf16`` (flash SDPA on a dense
    cache, the query heads of a kv head folded into query rows so K/V are read once), ``dequant-sdpa:<format>``
    (gather + dequantize the whole history with kvpack.quant, then SDPA: what HF's QuantizedCache does).
+   A format with ``sink=N`` (``int4,sink=1``) is timed with N full-precision sink rows per sequence.
    Combos that do not fit in memory are skipped and listed; big caches are built on the device with the
    batched Triton seal, never token by token.
 4. Writes everything to ``--out`` (JSON) and prints a short table last: median ms, GB/s (bytes the provider
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvpack.errors import FormatError
 from kvpack.formats import KVFormat, parse_format
 from kvpack.kernels import reference
 from kvpack.kernels import triton_decode as td
@@ -44,6 +46,38 @@ from kvpack.testing import random_paged_kv
 
 TARGETS = {"int8": 1.8, "fp8": 1.8, "int4": 3.0}  # speed-up over fp16 SDPA at 32k (issue 5)
 TARGET_PCT_COPY = {"int8": 75.0, "fp8": 75.0}
+
+
+def bench_format(name: str, block: int) -> tuple[KVFormat, int]:
+    """The format of a ``--formats`` entry at ``block`` and its sink size ``S`` (the ``sink=N`` field).
+
+    A kvpack whose format parser does not know ``sink=`` yet still runs the entry: the rest is parsed and the
+    sink rows are given to the kernel's view all the same (``KVFormat.sink`` set when the field exists).
+    """
+    fields = name.split(",")
+    sink = next((int(f[len("sink=") :]) for f in fields if f.startswith("sink=")), 0)
+    try:
+        return parse_format(f"{name},block={block}"), sink
+    except FormatError:
+        if not sink:
+            raise
+    fmt = parse_format(",".join(f for f in fields if not f.startswith("sink=")) + f",block={block}")
+    try:
+        fmt = replace(fmt, sink=sink)
+    except TypeError:  # no KVFormat.sink in this kvpack: the view's sink_k / sink_v carry it
+        pass
+    return fmt, sink
+
+
+def with_sink_rows(kv: PagedKV, sink: int, seed: int = 0) -> PagedKV:
+    """``kv`` with ``sink`` random full-precision sink rows ``[batch, H, S, D]`` in the tail dtype, unless
+    it has them already (a :func:`random_paged_kv` that knows sinks)."""
+    if not sink or kv.sink_k is not None:
+        return kv
+    g = torch.Generator().manual_seed(seed)
+    shape = (kv.batch, kv.kv_heads, sink, kv.head_dim)
+    rows = [(3 * torch.randn(shape, generator=g)).to(kv.tail_k.dtype).to(kv.device) for _ in range(2)]
+    return replace(kv, sink_k=rows[0], sink_v=rows[1])
 
 
 def parse_tokens(text: str) -> int:
@@ -131,7 +165,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> dict[str,
 
 def _to(kv: PagedKV, device: torch.device) -> PagedKV:
     fields = ["k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero", "block_tables", "seq_lens"]
-    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx", "key_rotation"]
+    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx", "key_rotation", "sink_k", "sink_v"]
     return replace(kv, **{f: getattr(kv, f).to(device) for f in fields if getattr(kv, f) is not None})
 
 
@@ -146,9 +180,12 @@ def _empty_pool(spec, num_blocks, h, b, d, device):
     return data, scale, zero
 
 
-def build_cache(fmt: KVFormat, batch: int, seq_len: int, h: int, d: int, device, chunk_blocks: int = 4096):
+def build_cache(
+    fmt: KVFormat, batch: int, seq_len: int, h: int, d: int, device, chunk_blocks: int = 4096, sink: int = 0
+):
     """A paged cache of ``batch`` sequences of ``seq_len`` tokens with random contents, sealed in batches of
-    ``chunk_blocks`` blocks by the Triton seal kernel; block tables are a random permutation."""
+    ``chunk_blocks`` blocks by the Triton seal kernel; block tables are a random permutation; ``sink`` random
+    fp16 sink rows per sequence when ``sink > 0``."""
     b = fmt.block_size
     nb = seq_len // b
     num_blocks = batch * nb + 1  # block 0 is the null block
@@ -164,6 +201,7 @@ def build_cache(fmt: KVFormat, batch: int, seq_len: int, h: int, d: int, device,
         pools[role] = (data, scale, zero)
     tables = (torch.randperm(batch * nb, device=device) + 1).to(torch.int32).view(batch, nb)
     tail = torch.randn(batch, h, b, d, device=device, dtype=torch.float16)
+    sink_k = torch.randn(batch, h, sink, d, device=device, dtype=torch.float16) * 3 if sink else None
     return PagedKV(
         format=fmt,
         head_dim=d,
@@ -177,15 +215,19 @@ def build_cache(fmt: KVFormat, batch: int, seq_len: int, h: int, d: int, device,
         seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
         tail_k=tail,
         tail_v=tail.clone(),
+        sink_k=sink_k,
+        sink_v=None if sink_k is None else torch.randn_like(sink_k),
     )
 
 
 def cache_read_bytes(kv: PagedKV, seq_len: int) -> int:
-    """Bytes a fused kernel must read per decode step: sealed blocks (payload + scales) and the used tail."""
+    """Bytes a fused kernel must read per decode step: sealed blocks (payload + scales), the used tail and
+    the used sink rows."""
     b, h, d = kv.block_size, kv.kv_heads, kv.head_dim
     sealed = kv.batch * (seq_len // b) * kv.format.block_bytes(h, d)
     tail = kv.batch * 2 * h * (seq_len % b) * d * kv.tail_k.element_size()
-    return sealed + tail + kv.block_tables.numel() * 4
+    sink = kv.batch * 2 * h * min(kv.sink, seq_len // b * b) * d * kv.tail_k.element_size()
+    return sealed + tail + sink + kv.block_tables.numel() * 4
 
 
 def dequant_then_sdpa(q4: torch.Tensor, kv: PagedKV, seq_len: int) -> torch.Tensor:
@@ -227,17 +269,17 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     lengths = [1, 15, 17, 50] if smoke else [1, 63, 65, 1000, 4097]
     block = 16 if smoke else 64
     formats = (
-        ["fp16", "int8", "int4", "kivi2", "int4-o4", "k=int8:head:rot,v=int8:token"]
+        ["fp16", "int8", "int4", "kivi2", "int4-o4", "k=int8:head:rot,v=int8:token", "int4,sink=1"]
         if smoke
-        else ["fp16", "int8", "fp8", "fp8-o4", "fp8-rot", "int4", "k8v4", "kivi2"]
+        else ["fp16", "int8", "fp8", "fp8-o4", "fp8-rot", "int4", "k8v4", "kivi2", "int4,sink=1", "fp8-o4,sink=64"]
     )
     for i, name in enumerate(formats):
-        fmt = parse_format(f"{name},block={block}")
+        fmt, sink = bench_format(name, block)
         # bf16 queries on a GPU only: the interpreter's bf16 dot is wrong (the tests patch it, see there)
         q_dtypes = [torch.float16] if interpreted or name not in ("int8", "int4") else [torch.float16, torch.bfloat16]
         for q_dtype in q_dtypes:
             kv, _, _ = random_paged_kv(fmt, lengths, kv_heads=2, head_dim=d, tail_dtype=q_dtype, seed=100 + i)
-            kv = _to(kv, device)
+            kv = _to(with_sink_rows(kv, sink, seed=200 + i), device)
             q = torch.randn(len(lengths), 8, d, device=device).to(q_dtype)
             expected = reference.decode_attention(q.float(), kv)
             qk, kvk = q, kv
@@ -314,7 +356,7 @@ def sweep(args, device, timer, copy_gbps, deadline) -> tuple[list[dict], list[di
                     base = row["median_ms"]
                 del k, v
             for fmt_name in args.formats:
-                fmt = parse_format(f"{fmt_name},block={args.block}")
+                fmt, sink = bench_format(fmt_name, args.block)
                 pool = batch * (ctx // args.block) * fmt.block_bytes(h, d)
                 if time.monotonic() > deadline:
                     skip(f"triton:{fmt_name}", "time budget")
@@ -323,7 +365,7 @@ def sweep(args, device, timer, copy_gbps, deadline) -> tuple[list[dict], list[di
                     skip(f"triton:{fmt_name}", f"needs {pool / 2**30:.1f} GiB")
                     continue
                 seq_len = ctx - 1  # a partly filled tail, as in a real decode step
-                kv = build_cache(fmt, batch, seq_len, h, d, device)
+                kv = build_cache(fmt, batch, seq_len, h, d, device, sink=sink)
                 out = torch.empty_like(q)
                 t = timer(lambda kv=kv, out=out, q=q: td.decode_attention(q, kv, out=out))
                 record(f"triton:{fmt_name}", fmt_name, t, cache_read_bytes(kv, seq_len))
@@ -383,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gpu_decode.json", help="JSON results (default gpu_decode.json)")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--contexts", nargs="+", default=["8k", "16k", "32k", "64k", "128k"])
-    p.add_argument("--formats", nargs="+", default=["fp16", "int8", "fp8", "int4", "k8v4", "kivi2"])
+    p.add_argument("--formats", nargs="+", default=["fp16", "int8", "fp8", "int4", "int4,sink=1", "k8v4", "kivi2"])
     p.add_argument("--dequant-formats", nargs="+", default=["int8", "int4"])
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--q-heads", type=int, default=32)
@@ -397,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
             print("--smoke on a CPU needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
             return 2
-        args.batches, args.contexts, args.formats = [2], ["40", "72"], ["fp16", "int8", "int4"]
+        args.batches, args.contexts, args.formats = [2], ["40", "72"], ["fp16", "int8", "int4", "int4,sink=1"]
         args.dequant_formats, args.kv_heads, args.q_heads, args.head_dim, args.block = ["int8"], 2, 4, 32, 16
         args.reps = 2
     elif not torch.cuda.is_available():

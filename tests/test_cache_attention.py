@@ -25,16 +25,20 @@ def churned_cache(fmt, num_blocks, seed, **kw):
     return cache
 
 
-def dequantized(spec, x):
-    """What the cache should hold for x [H, n, D]: full blocks through quantize/dequantize, the tail as is."""
+def dequantized(spec, x, sink=0):
+    """What the cache should hold for x [H, n, D]: full blocks through quantize/dequantize, the tail as is,
+    and the attention-sink positions ``p < min(sink, sealed tokens)`` as is (x is representable in the tail
+    dtype)."""
     nb = x.shape[1] // B
     blocks = x[:, : nb * B].reshape(KV_HEADS, nb, B, D).transpose(0, 1)
     sealed = dequantize(quantize(blocks, spec)).transpose(0, 1).reshape(KV_HEADS, nb * B, D)
+    s = min(sink, nb * B)
+    sealed[:, :s] = x[:, :s]
     return torch.cat([sealed, x[:, nb * B :]], dim=1)
 
 
 def expected_kv(fmt, k, v):
-    return dequantized(fmt.key, k), dequantized(fmt.value, v)
+    return dequantized(fmt.key, k, fmt.sink), dequantized(fmt.value, v, fmt.sink)
 
 
 def dense_attention(q, k, v, window=None):
@@ -65,6 +69,7 @@ def test_question_chunk_after_cached_documents(fmt):
     doc_lens = [100, 37, 64]
     chunk = 7
     cache = churned_cache(fmt, 40, seed=1)
+    assert cache.format.sink == 1  # the preset keeps position 0 exact: expected_kv reads it as appended
     sids = [cache.add_sequence() for _ in doc_lens]
     total = max(doc_lens) + chunk
     keys = [[realistic_keys(KV_HEADS, total, D, generator=g) for _ in range(L)] for _ in doc_lens]
@@ -93,6 +98,7 @@ def test_decode_steps_with_gqa(fmt):
     lens = [1, 31, 65]
     steps = 20
     cache = churned_cache(fmt, 30, seed=3, tail_dtype=torch.float16)
+    assert cache.format.sink == 1  # the preset keeps position 0 exact (fp16-representable inputs)
     sids = [cache.add_sequence() for _ in lens]
     total = max(lens) + steps
     keys = [[realistic_keys(KV_HEADS, total, D, generator=g).half().float() for _ in range(L)] for _ in lens]

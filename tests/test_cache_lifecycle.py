@@ -29,14 +29,24 @@ def roundtrip(spec, x):
     return dequantize(quantize(blocks, spec)).transpose(0, 1).reshape(H, -1, D)
 
 
+def sealed_history(spec, x):
+    """What the cache reads for the sealed positions [0, n) of a sequence, x [H, n, D] (n a multiple of B):
+    the dequantized blocks, except the attention-sink positions p < FMT.sink (the preset keeps sink=1), kept
+    exactly as appended (fp32 tail)."""
+    out = roundtrip(spec, x)
+    out[:, : FMT.sink] = x[:, : FMT.sink]
+    return out
+
+
 def test_crop_inside_the_tail_just_shortens_it():
+    assert FMT.sink == 1  # the preset's sink survives the block size: sealed_history keeps position 0 exact
     cache, sid, k, _v = filled(20)
     used = cache.pool.num_used
     cache.crop(sid, 18)
     assert cache.seq_len(sid) == cache.seq_len(sid, 1) == 18 and cache.pool.num_used == used
     got_k, _got_v = cache.dense(1, sid)
     assert_bitexact(got_k[:, 16:], k[:, 16:18] + 1)
-    assert_bitexact(got_k[:, :16], roundtrip(FMT.key, k[:, :16] + 1))
+    assert_bitexact(got_k[:, :16], sealed_history(FMT.key, k[:, :16] + 1))  # position 0 exact, the rest dequantized
     cache.crop(sid, 16)  # to the block boundary: empty tail, the sealed blocks stay
     assert cache.seq_len(sid) == 16 and cache.pool.num_used == used
 
@@ -48,8 +58,8 @@ def test_crop_inside_a_sealed_block_returns_dequantized_tokens_to_the_tail():
     assert cache.pool.num_used == 1 and cache.seq_len(sid) == 11
     for layer in range(2):
         got_k, got_v = cache.dense(layer, sid)
-        want_k = roundtrip(FMT.key, k[:, :16] + layer)[:, :11]
-        want_v = roundtrip(FMT.value, v[:, :16] - layer)[:, :11]
+        want_k = sealed_history(FMT.key, k[:, :16] + layer)[:, :11]  # block 0 stays sealed: its sink row exact
+        want_v = sealed_history(FMT.value, v[:, :16] - layer)[:, :11]
         assert_bitexact(got_k, want_k)  # tail slots 0..2 hold the dequantized values
         assert_bitexact(got_v, want_v)
         assert_bitexact(cache.view(layer, [sid]).tail_k[0, :, :3], want_k[:, 8:11])
@@ -104,7 +114,7 @@ def test_fork_shares_sealed_blocks_and_copies_the_tail():
     cache.crop(child, 4)  # the parent keeps its blocks
     assert [cache.pool.ref_count(b) for b in ids] == [1, 1]
     parent_k, _ = cache.dense(1, sid)
-    assert_bitexact(parent_k[:, :16], roundtrip(FMT.key, k[:, :16] + 1))
+    assert_bitexact(parent_k[:, :16], sealed_history(FMT.key, k[:, :16] + 1))
     assert_bitexact(parent_k[:, 16:], k[:, 16:] + 1)
     assert cache.problems() == []
 

@@ -1,5 +1,6 @@
 """Prefix sharing: sealed blocks named by (parent key, token ids, format), reused by reference, LRU-evicted."""
 
+import pytest
 import torch
 
 from kvpack.cache import PagedKVCache
@@ -104,8 +105,10 @@ def test_at_least_one_prompt_token_is_left_to_run():
     assert cache.cached_prefix_len(cache.add_sequence([*doc, 7])) == 16
 
 
-def test_unreferenced_blocks_stay_cached_and_are_evicted_lru():
-    cache = PagedKVCache(FMT, L, H, D, 7)  # 6 usable blocks
+@pytest.mark.parametrize("sink", [1, 0], ids=["preset-sink=1", "sink=0"])
+def test_unreferenced_blocks_stay_cached_and_are_evicted_lru(sink):
+    fmt = FMT.with_sink(sink)
+    cache = PagedKVCache(fmt, L, H, D, 7)  # 6 usable blocks
     docs = [prompt(17, 10 + i) for i in range(3)]
     for doc in docs:  # 2 blocks each, all freed: 6 cached blocks
         s = cache.add_sequence(doc)
@@ -113,13 +116,19 @@ def test_unreferenced_blocks_stay_cached_and_are_evicted_lru():
         cache.free(s)
     assert cache.pool.num_cached == 6 and cache.pool.num_free == 0
     report = cache.memory_report()
-    assert report.total.cached_bytes == 6 * L * FMT.block_bytes(H, D) and report.total.used_bytes == 0
+    # beside each registered first block its sink rows are kept for reuse: K and V, H x S x D fp32 per layer
+    sink_rows = 2 * H * sink * D * 4
+    assert report.total.cached_bytes == 6 * L * fmt.block_bytes(H, D) + 3 * L * sink_rows
+    assert report.total.used_bytes == 0
     hit = cache.add_sequence(docs[0])  # docs[0]'s blocks become most recently used
     assert cache.cached_prefix_len(hit) == 16
     cache.free(hit)
     s = cache.add_sequence()
     run(cache, s, prompt(24, 99))  # needs 3 blocks: evicts docs[1] (both) and docs[2]'s first
     assert cache.pool.num_cached == 3
+    # the evicted first blocks' sink rows go with them; docs[0]'s and the live sequence's first block's stay
+    report = cache.memory_report()
+    assert report.total.cached_bytes == 3 * L * fmt.block_bytes(H, D) + 2 * L * sink_rows
     assert cache.cached_prefix_len(cache.add_sequence(docs[0] + [1])) == 16
     assert cache.cached_prefix_len(cache.add_sequence(docs[1] + [1])) == 0
     assert cache.problems() == []

@@ -65,7 +65,17 @@ def assert_unchanged(before, after):
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         fmt=st.sampled_from(
-            ["int8", "int4", "kivi2", "fp8", "fp8-o4", "fp16", "k=int8:channel:asym:e8m0,v=int4:g8:sym"]
+            [
+                "int8",
+                "int4",
+                "kivi2",
+                "fp8",
+                "fp8-o4",
+                "fp16",
+                "k=int8:channel:asym:e8m0,v=int4:g8:sym",
+                "int4,sink=1",
+                "k4v2,sink=4",  # the whole first block kept (block_size 4 here)
+            ]
         ),
         tail=st.sampled_from([torch.float32, torch.float16]),
         rng=st.randoms(use_true_random=False),
@@ -89,9 +99,9 @@ class CacheMachine(RuleBasedStateMachine):
         kv = kv.to(self.tail).float()  # what the tail can hold
         return kv[0], kv[1]  # [H, T, D]
 
-    def expected(self, spec, x, released=0):
+    def expected(self, spec, x, released=0, sink=None):
         """Dequantized contents of x [H, n, D]: full blocks via the primitives, the tail exact, positions
-        released by the sliding window zero."""
+        released by the sliding window zero; the first ``sink`` (default: the format's) sealed positions exact."""
         nb = x.shape[1] // B
         blocks = x[:, : nb * B].reshape(H, nb, B, D).transpose(0, 1)
         rec = (
@@ -101,6 +111,8 @@ class CacheMachine(RuleBasedStateMachine):
         )
         sealed = rec.transpose(0, 1).reshape(H, nb * B, D)
         out = torch.cat([sealed, x[:, nb * B :]], dim=1)
+        s = min(self.fmt.sink if sink is None else sink, nb * B)
+        out[:, :s] = x[:, :s]
         out[:, : released * B] = 0
         return out
 
@@ -192,12 +204,15 @@ class CacheMachine(RuleBasedStateMachine):
         j, r = divmod(n, B)
         for layer in range(L):
             k, v = m.k[layer][:, :n], m.v[layer][:, :n]
-            if r and j < m.n // B:  # the kept part of a sealed block comes back dequantized
+            if r and j < m.n // B:  # the kept part of a sealed block comes back dequantized (sink rows exact)
+                sink = self.fmt.sink if j == 0 else 0
                 k = torch.cat(
-                    [k[:, : j * B], self.expected(self.fmt.key, m.k[layer][:, j * B : (j + 1) * B])[:, :r]], 1
+                    [k[:, : j * B], self.expected(self.fmt.key, m.k[layer][:, j * B : (j + 1) * B], 0, sink)[:, :r]],
+                    1,
                 )
                 v = torch.cat(
-                    [v[:, : j * B], self.expected(self.fmt.value, m.v[layer][:, j * B : (j + 1) * B])[:, :r]], 1
+                    [v[:, : j * B], self.expected(self.fmt.value, m.v[layer][:, j * B : (j + 1) * B], 0, sink)[:, :r]],
+                    1,
                 )
                 k, v = k.to(self.tail).float(), v.to(self.tail).float()
             m.k[layer], m.v[layer] = k, v

@@ -115,12 +115,19 @@ def test_sizes_scale_with_layers_and_tokens() -> None:
 def test_bytes_for_tokens_counts_sealed_blocks_and_the_tail() -> None:
     f = PRESETS["int4"]
     tail = 2 * H * B * D * 2  # one fp16 block of K and V
+    sink = 2 * H * 1 * D * 2  # the preset keeps sink=1: one fp16 position of K and V
+    assert f.sink == 1 and f.sink_bytes(H, D) == sink
     assert f.tail_bytes(H, D) == tail
-    assert f.bytes_for_tokens(0, H, D) == tail  # the tail is allocated with the sequence
-    assert f.bytes_for_tokens(63, H, D) == tail
-    assert f.bytes_for_tokens(64, H, D) == f.block_bytes(H, D) + tail
-    assert f.bytes_for_tokens(130, H, D, layers=3) == 3 * (2 * f.block_bytes(H, D) + tail)
-    assert f.bytes_for_tokens(64, H, D, tail_element_bytes=4) == f.block_bytes(H, D) + 2 * tail
+    assert f.bytes_for_tokens(0, H, D) == tail + sink  # tail and sink are allocated with the sequence
+    assert f.bytes_for_tokens(63, H, D) == tail + sink
+    assert f.bytes_for_tokens(64, H, D) == f.block_bytes(H, D) + tail + sink
+    assert f.bytes_for_tokens(130, H, D, layers=3) == 3 * (2 * f.block_bytes(H, D) + tail + sink)
+    assert f.bytes_for_tokens(64, H, D, tail_element_bytes=4) == f.block_bytes(H, D) + 2 * tail + 2 * sink
+    # without the sink: sealed blocks and the tail only
+    f0 = parse_format("int4,sink=0")
+    assert f0.block_bytes(H, D) == f.block_bytes(H, D)
+    assert f0.bytes_for_tokens(0, H, D) == tail
+    assert f0.bytes_for_tokens(130, H, D, layers=3) == 3 * (2 * f.block_bytes(H, D) + tail)
     # passthrough has no separate tail: tokens live in fp16 blocks, the last one partly filled
     fp16 = PRESETS["fp16"]
     assert fp16.bytes_for_tokens(1, H, D) == fp16.block_bytes(H, D)
@@ -213,7 +220,9 @@ def test_custom_round_trip(text: str) -> None:
 
 
 def test_parse_defaults_and_aliases() -> None:
-    f = parse_format("k=int8,v=int8")  # keys per channel, values per token, int8 symmetric, fp16 scales
+    f = parse_format("k=int8,v=int8")  # keys per channel, values per token, int8 symmetric, fp16 scales, no sink
+    assert f == PRESETS["int8"].with_sink(0) and f.sink == 0
+    f = parse_format("k=int8,v=int8,sink=1")  # spelled with the preset's sink: the preset, by name
     assert f == PRESETS["int8"] and f.name == "int8"
     f = parse_format("kv=int4")
     assert f.key.granularity == PerChannel() and f.value.granularity == PerToken()
@@ -222,7 +231,7 @@ def test_parse_defaults_and_aliases() -> None:
     assert parse_format("kv=e5m2").key.dtype is DType.FP8_E5M2
     assert parse_format("kv=int4:group32").key.granularity == PerGroup(32)
     assert parse_format("kv=int4:fp8").key.scale_dtype is ScaleDType.E8M0
-    assert parse_format("key=int8,values=int8:token,block_size=64") == PRESETS["int8"]
+    assert parse_format("key=int8,values=int8:token,block_size=64,sink=1") == PRESETS["int8"]
 
 
 def test_block_size_variants() -> None:
@@ -241,7 +250,8 @@ def test_formats_are_frozen_and_hashable() -> None:
         f.block_size = 32  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.key.symmetric = False  # type: ignore[misc]
-    assert len({parse_format("int8"), parse_format("k=int8,v=int8"), PRESETS["int4"]}) == 2
+    assert len({parse_format("int8"), parse_format("k=int8,v=int8,sink=1"), PRESETS["int4"]}) == 2
+    assert len({parse_format("int8"), parse_format("int8,sink=0")}) == 2  # the sink is part of the format
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def _guarded(t: torch.Tensor, guard: int = 64) -> torch.Tensor:
 
 def _guard_all(kv: PagedKV) -> PagedKV:
     fields = ["k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero", "block_tables", "seq_lens"]
-    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx"]
+    fields += ["tail_k", "tail_v", "start_pos", "k_outlier", "k_outlier_idx", "sink_k", "sink_v"]
     return replace(kv, **{f: _guarded(getattr(kv, f)) for f in fields if getattr(kv, f) is not None})
 
 
@@ -230,15 +230,21 @@ def test_default_splits_fill_the_machine_without_tiny_splits():
 
 AOT_SCRIPT = """
 import json, torch
+from dataclasses import replace
 from kvpack.formats import parse_format
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 from kvpack.testing import random_paged_kv
 from kvpack.kernels import triton_decode as td, triton_seal as ts
 out = []
 cases = [("int8", torch.float16), ("int4", torch.bfloat16), ("kivi2", torch.float16), ("fp8", torch.float16)]
-for name, qdt in cases + [("fp8-o4", torch.float16)]:
+sinks = [("int4", torch.float16, 1), ("fp8-o4", torch.bfloat16, 64)]  # full-precision sink rows: S = 1, S = B
+for name, qdt, sink in [(n, t, 0) for n, t in cases] + [("fp8-o4", torch.float16, 0)] + sinks:
     fmt = parse_format(name)
     kv, _, _ = random_paged_kv(fmt, [300, 70], kv_heads=8, head_dim=128, tail_dtype=qdt)
+    if sink:
+        rows = torch.randn(2, 8, sink, 128, dtype=qdt)
+        kv = replace(kv, sink_k=rows, sink_v=rows.clone())
+        name = f"{name} sink={sink}"
     q = torch.randn(2, 32, 128, dtype=qdt)
     for launch in td.plan(q, kv, num_splits=2)[0]:
         out.append({"case": name, **td.compile_launch(launch)})
@@ -262,7 +268,7 @@ def test_kernels_compile_for_hopper_without_spills():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     usage = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(usage) == 12
+    assert len(usage) == 16
     for u in usage:
         assert u["registers"] > 0, u
         assert u["local"] == 0, f"register spills: {u}"

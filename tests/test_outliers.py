@@ -42,7 +42,8 @@ def _keys(n_blocks: int, seed: int = 0) -> torch.Tensor:
 def test_syntax_preset_and_round_trip():
     f = PRESETS["fp8-o4"]
     assert f.key.outliers == 4 and f.value.outliers == 0 and f.has_outliers
-    assert parse_format("k=fp8:head:o4,v=fp8:head") is f  # a custom string spelling the preset gets its name
+    assert parse_format("k=fp8:head:o4,v=fp8:head,sink=1") is f  # a custom string spelling the preset gets its name
+    assert parse_format("k=fp8:head:o4,v=fp8:head") == f.with_sink(0)  # (its sink=1 included)
     assert parse_format(f.spec_string()) == f and str(f.key) == "fp8_e4m3:head:fp16:o4"
     g = parse_format("k=int8:channel:o8,v=int4:g32:asym,block=32")
     assert g.key.outliers == 8 and parse_format(g.spec_string()) == g
@@ -86,7 +87,9 @@ def test_bytes_counted_by_hand():
     assert f.bytes_per_token(h, d, layers=2) == 2 * 17424 / 64 == 544.5
     assert f.bits_per_element(h, d) == 8 * 17424 / (2 * h * b * d)
     tail = 2 * h * b * d * 2
-    assert f.bytes_for_tokens(130, h, d, layers=3) == 3 * (2 * 17424 + tail)
+    sink = 2 * h * 1 * d * 2  # the preset's sink=1: one fp16 position of K and V
+    assert f.bytes_for_tokens(130, h, d, layers=3) == 3 * (2 * 17424 + tail + sink)
+    assert parse_format("fp8-o4,sink=0").bytes_for_tokens(130, h, d, layers=3) == 3 * (2 * 17424 + tail)
     # past head_dim 256 an index takes two bytes
     assert f.outlier_bytes(1, 512) == b * k * 2 + k * 2 and index_dtype(512) == torch.int16
 
@@ -98,8 +101,9 @@ def test_size_command_counts_the_outliers(capsys):
     assert main([*argv, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["formats"][0]
     assert row["format"] == "fp8-o4" and row["bytes_per_token"] == 544.5
-    # 2 sealed blocks of 2 layers x 17424 bytes, plus the fp16 tail (one block of K and V per layer)
-    assert row["bytes_per_sequence"] == 2 * 2 * 17424 + 2 * (2 * 2 * 64 * 64 * 2)
+    # 2 sealed blocks of 2 layers x 17424 bytes, plus the fp16 tail (one block of K and V per layer), plus the
+    # preset's sink=1 (one fp16 position of K and V per layer)
+    assert row["bytes_per_sequence"] == 2 * 2 * 17424 + 2 * (2 * 2 * 64 * 64 * 2) + 2 * (2 * 2 * 1 * 64 * 2)
     assert row["bits_per_element"] == pytest.approx(8 * 17424 / (2 * 2 * 64 * 64), abs=0)
 
 
@@ -159,18 +163,33 @@ def test_int16_indices_past_head_dim_256():
 # -- reference kernel and dispatcher -------------------------------------------------------------------
 
 
-def test_random_paged_kv_and_reference_apply_the_residuals():
+@pytest.mark.parametrize("sink", [0, 1], ids=["sink=0", "preset-sink=1"])
+def test_random_paged_kv_and_reference_apply_the_residuals(sink):
+    fmt = FMT.with_sink(sink)
     lens = [1, B - 1, B + 1, 3 * B + 5]
-    kv, keys, _ = random_paged_kv(FMT, lens, kv_heads=H, head_dim=D, seed=3)
+    kv, keys, values = random_paged_kv(fmt, lens, kv_heads=H, head_dim=D, seed=3)
+    assert kv.sink == sink
     assert kv.k_outlier.dtype == torch.float16 and kv.k_outlier_idx.dtype == torch.uint8
     assert torch.isnan(kv.k_outlier[0]).all() and (kv.k_outlier_idx[0] == 0xFF).all()  # the null block: poisoned
-    plain, _, _ = random_paged_kv(parse_format(f"fp8,block={B}"), lens, kv_heads=H, head_dim=D, seed=3)
+    plain_fmt = parse_format(f"fp8,block={B}").with_sink(sink)
+    plain, _, _ = random_paged_kv(plain_fmt, lens, kv_heads=H, head_dim=D, seed=3)
+    blocks_only = kernels.PagedKV(**{**kv.__dict__, "sink_k": None, "sink_v": None})  # a reader ignoring the sink
     for row, n in enumerate(lens):
-        k, _ = dense_history(kv, row)
+        k, v = dense_history(kv, row)
         nb = n // B
+        s = min(sink, nb * B)
         blocks = keys[row][:, : nb * B].reshape(H, nb, B, D).transpose(0, 1)
         expect = dequantize_outliers(quantize_outliers(blocks, FMT.key)).transpose(0, 1).reshape(H, nb * B, D)
-        assert torch.equal(k[:, : nb * B], expect)
+        if s:
+            # positions p < s read the sink rows exactly (the returned keys hold them); block 0 was sealed from
+            # the rows the sink replaced, so its other rows are what a reader ignoring the sink gets, and every
+            # later block is the re-quantization of the returned keys
+            assert torch.equal(k[:, :s], keys[row][:, :s]) and torch.equal(v[:, :s], values[row][:, :s])
+            assert torch.equal(k[:, s:B], dense_history(blocks_only, row)[0][:, s:B])
+            assert not torch.equal(k[:, :s], dense_history(blocks_only, row)[0][:, :s])
+            assert torch.equal(k[:, B : nb * B], expect[:, B:])
+        else:
+            assert torch.equal(k[:, : nb * B], expect)
         if nb:
             assert snr_db(keys[row], k) > snr_db(keys[row], dense_history(plain, row)[0]) + 6
     q = torch.randn(len(lens), 1, 4, D)
@@ -240,7 +259,10 @@ def test_cache_seals_payload_scales_residuals_and_indices():
             assert_bitexact(st.k_outlier[layer, ids], ob.residual, "residuals")
             assert_bitexact(st.k_outlier_idx[layer, ids], ob.idx, "indices")
             kd, _ = cache.dense(layer, sid)
-            assert torch.equal(kd[:, : 3 * B], dequantize_outliers(ob).transpose(0, 1).reshape(H, 3 * B, D))
+            expect = dequantize_outliers(ob).transpose(0, 1).reshape(H, 3 * B, D)
+            expect[:, : FMT.sink] = k[row, :, : FMT.sink]  # the preset's sink=1: position 0 exact (fp32 tail)
+            assert FMT.sink == 1 and not torch.equal(expect[:, :1], dequantize_outliers(ob)[0, :, :1])
+            assert torch.equal(kd[:, : 3 * B], expect)
             assert torch.equal(kd[:, 3 * B :], k[row, :, 3 * B :])
         view = cache.view(0, [sid])
         assert view.k_outlier is not None and view.k_outlier.data_ptr() == st.k_outlier[0].data_ptr()

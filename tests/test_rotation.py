@@ -13,7 +13,7 @@ from kvpack.errors import FormatError, ShapeError, UnsupportedError
 from kvpack.evaluation.simulate import roundtrip_blocks
 from kvpack.formats import parse_format
 from kvpack.integrations.hf_attention import chunk_attention
-from kvpack.kernels import decode_attention, reference
+from kvpack.kernels import PagedKV, decode_attention, reference
 from kvpack.rotation import key_rotation, rotate, unrotate
 from kvpack.testing import assert_close, random_paged_kv, realistic_keys
 
@@ -22,7 +22,8 @@ def test_preset_syntax_and_rules():
     fmt = parse_format("fp8-rot")
     assert fmt.key.rotate and not fmt.value.rotate
     assert parse_format(fmt.spec_string()).name == "fp8-rot"
-    assert parse_format("k=fp8:head:rot,v=fp8:head") == fmt
+    assert parse_format("k=fp8:head:rot,v=fp8:head,sink=1") == fmt  # the preset keeps sink=1
+    assert parse_format("k=fp8:head:rot,v=fp8:head") == fmt.with_sink(0)
     # rotation costs no bytes
     kw = {"kv_heads": 8, "head_dim": 128}
     assert fmt.block_bytes(**kw) == parse_format("fp8").block_bytes(**kw)
@@ -91,9 +92,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_backends_read_rotated_keys(backend):
-    fmt = parse_format("fp8-rot,block=16")
+    # without a sink (the data the bound below was measured on): every sealed row is a dequantized fp8 row
+    fmt = parse_format("fp8-rot,block=16,sink=0")
     kv, keys, values = random_paged_kv(fmt, [1, 15, 17, 50], kv_heads=2, head_dim=64, seed=5)
-    assert kv.key_rotation is not None
+    assert kv.key_rotation is not None and kv.sink_k is None
     q = torch.randn(4, 8, 64, dtype=torch.float16 if backend == "triton" else torch.float32)
     expected = reference.decode_attention(q.float(), kv)
     # the reference reads natural keys: close to attention over the full-precision keys, up to fp8's error
@@ -101,6 +103,27 @@ def test_backends_read_rotated_keys(backend):
     # nothing would give attention over unrelated keys, off by several units)
     exact = torch.stack([_attend(q[i].float(), keys[i], values[i]) for i in range(4)])
     assert float((expected - exact).abs().max()) < 0.2
+    _check_backend(backend, q, kv, expected)
+    # the preset's default sink=1: position 0 of a sequence with a sealed block is the exact (rotated) sink row,
+    # read back natural; the other sealed rows are what a reader ignoring the sink reads (checked above)
+    fmt = parse_format("fp8-rot,block=16")
+    assert fmt.sink == 1
+    kv, keys, values = random_paged_kv(fmt, [1, 15, 17, 50], kv_heads=2, head_dim=64, seed=5)
+    assert kv.key_rotation is not None and kv.sink == 1
+    expected = reference.decode_attention(q.float(), kv)
+    blocks_only = PagedKV(**{**kv.__dict__, "sink_k": None, "sink_v": None})
+    hist = []
+    for i, n in enumerate([1, 15, 17, 50]):
+        k, v = reference.dense_history(blocks_only, i)
+        if n >= 16:  # a sealed block: the sink row replaces position 0
+            k[:, 0], v[:, 0] = keys[i][:, 0], values[i][:, 0]
+        hist.append(_attend(q[i].float(), k, v))
+    assert_close(expected, torch.stack(hist), 1e-5, 1e-5)
+    assert (expected[2:] - reference.decode_attention(q.float(), blocks_only)[2:]).abs().max() > 1e-3  # it matters
+    _check_backend(backend, q, kv, expected)
+
+
+def _check_backend(backend: str, q: torch.Tensor, kv, expected: torch.Tensor) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
         from _triton_interpreter import fixed_interpreter
@@ -140,6 +163,9 @@ def test_cache_stores_rotated_keys_and_gives_back_natural_ones():
     assert_close(dk[:, 128:], k[0, :, 128:], 1e-5, 1e-5)  # natural keys back, the tail exactly
     # sealed blocks: the simulate engine's reconstruction (quantize k @ R, dequantize, @ R.T)
     sim = roundtrip_blocks(k[:, :, :128], parse_format("fp8-rot").key, 64)[0]
+    # except position 0, the preset's sink=1: kept exactly (stored rotated like the tail, read back natural)
+    assert cache.sink == 1
+    sim[:, :1] = k[0, :, :1]
     assert_close(dk[:, :128], sim, 1e-5, 1e-5)
     # a crop inside a sealed block returns its kept tokens to the (rotated) tail: nothing moves
     cache.crop(sid, 70)

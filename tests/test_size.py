@@ -88,15 +88,21 @@ def test_json_has_every_format_and_the_inputs(capsys) -> None:
 
 
 def test_tail_is_counted_honestly() -> None:
-    # int8 at 8k: 128 sealed blocks per layer plus one fp16 block of K and V per layer
+    # int8 at 8k: 128 sealed blocks per layer plus one fp16 block of K and V per layer (the tail) plus the
+    # preset's sink=1, one fp16 position of K and V per layer
     p = plan(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[PRESETS["int8"]])
     (row,) = p.rows
     tail = 2 * 8 * 64 * 128 * 2
-    assert row.total_bytes == 80 * (128 * 134_144 + tail)
+    sink = 2 * 8 * 1 * 128 * 2
+    assert row.total_bytes == 80 * (128 * 134_144 + tail + sink)
+    assert row.sink_bytes_per_sequence == 80 * sink
     assert row.total_bytes > row.bytes_per_token * 8192  # the pure per-token rate leaves the tail out
     # a context one token short of a block boundary: 127 sealed blocks, 63 tokens in the tail
     p = plan(ModelShape("m", 80, 8, 128), context=8191, batch=3, formats=[PRESETS["int8"]])
-    assert p.rows[0].total_bytes == 3 * 80 * (127 * 134_144 + tail)
+    assert p.rows[0].total_bytes == 3 * 80 * (127 * 134_144 + tail + sink)
+    # without the sink: blocks and tail only
+    p = plan(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[parse_format("int8,sink=0")])
+    assert p.rows[0].total_bytes == 80 * (128 * 134_144 + tail) and p.rows[0].sink_bytes_per_sequence == 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,12 +129,16 @@ def test_parse_formats() -> None:
     custom = parse_formats(["k=int8,v=int4:g32,block=32", "int8,block=32", "int8"])
     assert [f.block_size for f in custom] == [32, 32, 64]
     assert custom[0].value.granularity.name == "g32"
-    assert len(parse_formats(["int8", "int8", "k=int8,v=int8"])) == 1  # duplicates collapse
+    assert len(parse_formats(["int8", "int8", "k=int8,v=int8,sink=1"])) == 1  # duplicates collapse
+    assert len(parse_formats(["int8", "k=int8,v=int8"])) == 2  # a custom string has no sink unless it says so
     assert len(parse_formats(["all"])) == len(PRESETS)
     with pytest.raises(FormatError, match="presets are"):
         parse_formats(["int8,int9"])
-    with pytest.raises(FormatError, match="only one preset"):
-        parse_formats(["int8,block=32,int4"])  # ambiguous: give each with its own --format
+    # block=/sink= fields belong to the format before them (formats.split_formats), so a list may carry them
+    assert [f.name for f in parse_formats(["int8,block=32,int4"])] == ["int8,block=32", "int4"]
+    assert [f.name for f in parse_formats(["int4,sink=0,int8"])] == ["int4,sink=0", "int8"]
+    with pytest.raises(FormatError, match="sink must be an integer"):
+        parse_formats(["int8,sink=65,int4"])  # a bad field of one listed format: its own message says why
 
 
 # ----------------------------------------------------------------------------------------------------

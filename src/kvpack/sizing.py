@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import PRESETS, KVFormat, parse_format
+from kvpack.formats import PRESETS, KVFormat, parse_format, split_formats
 from kvpack.modelspecs import ModelShape
 
 __all__ = [
@@ -63,8 +63,9 @@ def parse_formats(items: list[str] | None) -> list[KVFormat]:
     """Formats from repeated ``--format`` values; each may be one format or a comma list of formats.
 
     A value is first parsed whole (so a custom string such as ``k=int8,v=int4:g32,block=32`` keeps its
-    commas); only if that fails is it split on commas, and then every piece must be a format on its own
-    (preset names, ``all``). ``None`` or empty means all presets.
+    commas); only if that fails is it split with :func:`~kvpack.formats.split_formats` (``int4,sink=1,int8``
+    is two formats), and then every piece must parse on its own (or be ``all``). ``None`` or empty means all
+    presets.
     """
     if not items:
         return list(PRESETS.values())
@@ -76,10 +77,10 @@ def parse_formats(items: list[str] | None) -> list[KVFormat]:
         try:
             out.append(parse_format(item))
         except FormatError:
-            pieces = [p.strip() for p in item.split(",") if p.strip()]
-            if len(pieces) < 2 or any("=" in p for p in pieces):
+            pieces = split_formats(item)  # fields (sink=1, v=...) stay with the format before them
+            if len(pieces) < 2:
                 raise  # one (custom) format that does not parse: its own message says why
-            for p in pieces:  # a comma list of preset names; an unknown one lists the presets
+            for p in pieces:  # a comma list of formats; an unknown one lists the presets
                 out += PRESETS.values() if p.lower() == "all" else [parse_format(p)]
     unique: dict[str, KVFormat] = {}
     for f in out:
@@ -97,7 +98,10 @@ def max_context(fmt: KVFormat, budget: int, kv_heads: int, head_dim: int, layers
     b = fmt.block_size
     if fmt.is_passthrough:
         return max(0, budget // block) * b
-    tail = layers * fmt.tail_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
+    # per sequence whatever its length: the one-block tail and the sink buffer
+    tail = layers * (
+        fmt.tail_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES) + fmt.sink_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
+    )
     if budget < tail:
         return 0
     # n sealed blocks plus a tail of up to block_size - 1 tokens (the next token would seal)
@@ -131,12 +135,13 @@ class FormatRow:
     format: KVFormat
     bytes_per_token: float  # sealed bytes per token: a block's bytes over its tokens
     bits_per_element: float
-    bytes_per_sequence: int  # sealed blocks + one-block fp16 tail, per sequence
+    bytes_per_sequence: int  # sealed blocks + one-block fp16 tail (+ the sink buffer), per sequence
     total_bytes: int  # batch * bytes_per_sequence
     ratio_vs_fp16: float  # total_bytes / fp16 total_bytes
     max_batch: int | None = None
     max_context: int | None = None
     shared_prefix_total_bytes: int | None = None
+    sink_bytes_per_sequence: int = 0  # the fp16 sink buffer of a format with sink > 0 (in bytes_per_sequence)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -149,6 +154,9 @@ class FormatRow:
             "total_gib": self.total_bytes / GIB,
             "ratio_vs_fp16": self.ratio_vs_fp16,
         }
+        if self.format.sink:
+            d["sink"] = self.format.sink
+            d["sink_bytes_per_sequence"] = self.sink_bytes_per_sequence
         if self.max_batch is not None:
             d["max_batch"] = self.max_batch
             d["max_context"] = self.max_context
@@ -265,6 +273,7 @@ def plan(
             bytes_per_sequence=per_seq,
             total_bytes=batch * per_seq,
             ratio_vs_fp16=batch * per_seq / fp16_total,
+            sink_bytes_per_sequence=n_layers * fmt.sink_bytes(h, d, TAIL_ELEMENT_BYTES),
         )
         if budget is not None:
             row.max_batch = max_batch(fmt, budget, context, h, d, n_layers)

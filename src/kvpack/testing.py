@@ -149,6 +149,7 @@ def random_paged_kv(
     shuffle: bool = True,
     spare_blocks: int = 3,
     seed: int = 0,
+    sink: int = 0,
 ) -> tuple[PagedKV, list[torch.Tensor], list[torch.Tensor]]:
     """A :class:`PagedKV` with fresh random (never zero) keys and values, built with the primitives.
 
@@ -157,12 +158,24 @@ def random_paged_kv(
     with outlier channels gets ``k_outlier`` / ``k_outlier_idx`` pools (channels chosen per block at seal
     time), poisoned the same way (NaN residuals, out-of-range indices).
 
+    With ``sink = S > 0`` (the format is given that sink) the view gets ``sink_k`` / ``sink_v``
+    ``[batch, H, S, D]``: for positions ``p < min(S, sealed tokens)`` fresh random rows that differ from the
+    block rows (a kernel that reads block 0 instead of the sink fails), NaN for the other positions (a kernel
+    that reads the sink for a tail position fails). The returned keys and values hold the sink rows there.
+
     Returns:
         ``(kv, keys, values)``: the view, and per sequence the full-precision ``[H, seq_len, D]`` float32
         keys and values that were stored (before quantization).
     """
     g = torch.Generator().manual_seed(seed)
+    sink = sink or fmt.sink
+    if sink and fmt.sink != sink:
+        fmt = fmt.with_sink(sink)
     b = fmt.block_size
+    sink_k = sink_v = None
+    if sink:
+        sink_k = torch.full((len(seq_lens), kv_heads, sink, head_dim), float("nan"), dtype=tail_dtype)
+        sink_v = sink_k.clone()
     total = sum(n // b for n in seq_lens)
     num_blocks = 1 + total + spare_blocks
     ids = list(range(1, num_blocks))
@@ -180,9 +193,17 @@ def random_paged_kv(
         if fmt.key.rotate:  # stored keys are k @ R; the natural keys returned are what the storage holds
             k = rotate(k, key_rotation(head_dim))
         k, v = k.to(tail_dtype).float(), v.to(tail_dtype).float()  # representable in the tail dtype
-        keys.append(unrotate(k, key_rotation(head_dim)) if fmt.key.rotate else k)
-        values.append(v)
         nb, t = divmod(n, b)
+        kr, vr = k, v  # what a reader must see: the sink rows replace the first sealed positions
+        s = min(sink, nb * b)
+        if s:
+            sk = (3 * torch.randn(kv_heads, s, head_dim, generator=g)).to(tail_dtype)
+            sv = (3 * torch.randn(kv_heads, s, head_dim, generator=g)).to(tail_dtype)
+            sink_k[row, :, :s], sink_v[row, :, :s] = sk, sv
+            kr, vr = k.clone(), v.clone()
+            kr[:, :s], vr[:, :s] = sk.float(), sv.float()
+        keys.append(unrotate(kr, key_rotation(head_dim)) if fmt.key.rotate else kr)
+        values.append(vr)
         for j in range(nb):
             kblocks.append(k[:, j * b : (j + 1) * b])
             vblocks.append(v[:, j * b : (j + 1) * b])
@@ -213,5 +234,7 @@ def random_paged_kv(
         k_outlier=ko,
         k_outlier_idx=koi,
         key_rotation=key_rotation(head_dim) if fmt.key.rotate else None,
+        sink_k=sink_k,
+        sink_v=sink_v,
     )
     return kv, keys, values

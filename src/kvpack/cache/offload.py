@@ -3,7 +3,8 @@
 Blocks move quantized (payload, scales, zero-points as stored), so what crosses the link is the packed
 size, 2-4x less than fp16 would be. Only blocks the sequence owns alone (reference count 1) move; blocks
 shared with other sequences or the prefix cache's users stay, and so does the full-precision tail (one
-block, kept in its slot). Restored blocks get new ids; their bytes are identical.
+block, kept in its slot, and the sink rows of a format with a sink, likewise). Restored blocks get new ids;
+their bytes are identical.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def restore(cache: PagedKVCache, sid: int) -> int:
         seq.blocks[j] = blk
         if j < len(seq.keys) and j not in seq.impure:
             cache.pool.register(blk, seq.keys[j])  # no-op when another block holds the key meanwhile
+            if j == 0:
+                cache._keep_prefix_sink(seq)
     cache._tables_np[seq.slot, : len(seq.blocks)] = np.asarray(seq.blocks, dtype=np.int32)
     seq.offloaded = False
     cache._layout_changed()

@@ -14,6 +14,15 @@ Crop inside a sealed block: the kept tokens of that block return to the tail as 
 values (with the outlier residuals of keys added, cast to the tail dtype), and the block is released.
 Such a block is never registered for prefix sharing when it is sealed again (it no longer holds exactly
 the quantized original tokens).
+
+Attention sinks (a format with ``sink = S > 0``): per layer a sink buffer ``[slots, H, S, D]`` in the tail
+dtype beside the tails holds each sequence's first ``S`` positions exactly as they entered the tail (keys
+rotated when the key spec rotates); views hand it to kernels as ``PagedKV.sink_k / sink_v``, which read
+positions ``p < min(S, sealed tokens)`` from it instead of block 0. Block 0 is sealed as usual. The sink
+rows follow the sequence through fork, reorder, crop (cropped positions are rewritten by the next append;
+kept ones return to the tail exactly) and offload (they stay in the slot, like the tail). For prefix
+sharing, the sink rows of every registered first block are kept beside it (:mod:`kvpack.cache.sink`), so a
+sequence that reuses that block gets them too.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 from kvpack.cache.calibrated import channels_digest, resolve_calibration, resolve_outlier_channels, scales_digest
 from kvpack.cache.pool import NULL_BLOCK, BlockPool
 from kvpack.cache.prefix import ROOT, block_key, chain_keys
+from kvpack.cache.sink import PrefixSinks
 from kvpack.cache.storage import BlockStorage
 from kvpack.calibration.artifact import Artifact, CalibratedScales
 from kvpack.calibration.static import DEFAULT_CLIP_THRESHOLD, ClipMonitor
@@ -153,6 +163,14 @@ class PagedKVCache:
         b = self.block_size
         self._tail_k = torch.zeros(num_layers, max_seqs, kv_heads, b, head_dim, dtype=tail_dtype, device=self.device)
         self._tail_v = torch.zeros_like(self._tail_k)
+        self.sink = self.format.sink
+        # [L, slots, H, S, D] in the tail dtype: each sequence's first S positions, or None without a sink
+        self._sink_k = self._sink_v = None
+        if self.sink:
+            shape = (num_layers, max_seqs, kv_heads, self.sink, head_dim)
+            self._sink_k = torch.zeros(shape, dtype=tail_dtype, device=self.device)
+            self._sink_v = torch.zeros_like(self._sink_k)
+        self.prefix_sinks = PrefixSinks(self.pool)  # sink rows of registered first blocks (prefix sharing)
         self._lens = torch.zeros(num_layers, max_seqs, dtype=torch.int32)  # host; [L, slots]
         self._lens_np = self._lens.numpy()
         self._tables = torch.zeros(max_seqs, 4, dtype=torch.int32)  # host; [slots, width]
@@ -211,9 +229,14 @@ class PagedKVCache:
                 break
             hits.append((key, block))
             parent = key
+        sink = self.prefix_sinks.get(hits[0][1]) if hits and self.sink else None
+        if hits and self.sink and sink is None:  # no sink rows kept for that first block: nothing to reuse
+            hits = []
         slot = self._take_slot()
         for _, block in hits:
             self.pool.incref(block)
+        if sink is not None:
+            self._sink_k[:, slot], self._sink_v[:, slot] = sink
         seq = _Seq(self._next_id, slot, [h[1] for h in hits], tokens, [h[0] for h in hits])
         seq.prefix_len = len(hits) * b
         self._next_id += 1
@@ -261,6 +284,9 @@ class PagedKVCache:
             self.pool.incref(block)
         self._tail_k[:, slot] = self._tail_k[:, src.slot]
         self._tail_v[:, slot] = self._tail_v[:, src.slot]
+        if self.sink:
+            self._sink_k[:, slot] = self._sink_k[:, src.slot]
+            self._sink_v[:, slot] = self._sink_v[:, src.slot]
         self._lens_np[:, slot] = self._lens_np[:, src.slot]
         self._tables_np[slot] = self._tables_np[src.slot]
         seq = _Seq(
@@ -319,8 +345,13 @@ class PagedKVCache:
             sealed = torch.from_numpy(np.nonzero(lens // b > j)[0]).to(self.device)
             if sealed.numel():  # layers that sealed block j: its kept tokens return to their tails
                 k, v = self.storage.dequantize_block(seq.blocks[j], sealed)  # [layers, H, B, D]
-                self._tail_k[sealed, seq.slot, :, :r] = k[:, :, :r].to(self.tail_dtype)
-                self._tail_v[sealed, seq.slot, :, :r] = v[:, :, :r].to(self.tail_dtype)
+                k, v = k[:, :, :r].to(self.tail_dtype), v[:, :, :r].to(self.tail_dtype)
+                if j == 0 and self.sink:  # sink positions return exactly as they were appended
+                    s = min(self.sink, r)
+                    k[:, :, :s] = self._sink_k[sealed, seq.slot, :, :s]
+                    v[:, :, :s] = self._sink_v[sealed, seq.slot, :, :s]
+                self._tail_k[sealed, seq.slot, :, :r] = k
+                self._tail_v[sealed, seq.slot, :, :r] = v
                 seq.impure.add(j)
         for block in seq.blocks[j:]:
             self.pool.release(block)
@@ -355,6 +386,9 @@ class PagedKVCache:
         src_t = torch.from_numpy(from_slots).to(self.device)
         self._tail_k[:, dst] = self._tail_k[:, src_t]
         self._tail_v[:, dst] = self._tail_v[:, src_t]
+        if self.sink:
+            self._sink_k[:, dst] = self._sink_k[:, src_t]
+            self._sink_v[:, dst] = self._sink_v[:, src_t]
         self._lens_np[:, rows.slots] = self._lens_np[:, from_slots]
         self._tables_np[rows.slots] = self._tables_np[from_slots]
         for seq, i in zip(rows.seqs, src_idx):
@@ -406,6 +440,10 @@ class PagedKVCache:
             idx = torch.from_numpy(rows.slots)
             tables, lens = self._tables.index_select(0, idx), self._lens[layer].index_select(0, idx)
             tail_k, tail_v = self._tail_k[layer, rows.slots_t], self._tail_v[layer, rows.slots_t]
+        sink_k = sink_v = None
+        if self.sink:  # slices or gathered copies, like the tails
+            at = sl if rows.start is not None else rows.slots_t
+            sink_k, sink_v = self._sink_k[layer, at], self._sink_v[layer, at]
         st = self.storage
         kv = PagedKV(
             format=self.format,
@@ -423,6 +461,8 @@ class PagedKVCache:
             seq_lens=lens.to(self.device),
             tail_k=tail_k,
             tail_v=tail_v,
+            sink_k=sink_k,
+            sink_v=sink_v,
         )
         if rows.start is not None and self.device.type == "cpu":  # live slices: valid until the layout changes
             self._views[key] = (self._layout_version, kv)
@@ -431,7 +471,8 @@ class PagedKVCache:
     def dense(self, layer: int, sid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of one sequence in one layer: two ``[H, n, D]`` float32 (debug, tests).
 
-        Positions released by the sliding window come back as zeros.
+        Positions released by the sliding window come back as zeros; with a sink, positions below
+        ``min(sink, sealed tokens)`` come from the sink buffer (exactly what kernels read).
         """
         from kvpack.kernels.reference import dense_history
 
@@ -547,6 +588,8 @@ class PagedKVCache:
             return out
 
         self._tail_k, self._tail_v = grown(self._tail_k, 1), grown(self._tail_v, 1)
+        if self.sink:
+            self._sink_k, self._sink_v = grown(self._sink_k, 1), grown(self._sink_v, 1)
         self._lens = grown(self._lens, 1)
         self._lens_np = self._lens.numpy()
         self._tables = grown(self._tables, 0)
@@ -577,3 +620,10 @@ class PagedKVCache:
             seq.keys.append(key)
             if seq.blocks[j] != NULL_BLOCK and j not in seq.impure:
                 self.pool.register(seq.blocks[j], key)
+                if j == 0:
+                    self._keep_prefix_sink(seq)
+
+    def _keep_prefix_sink(self, seq: _Seq) -> None:
+        """After block 0 of ``seq`` is (re-)registered: keep its sink rows beside it for prefix sharing."""
+        if self.sink and seq.blocks and seq.keys:
+            self.prefix_sinks.keep(seq.blocks[0], seq.keys[0], self._sink_k[:, seq.slot], self._sink_v[:, seq.slot])

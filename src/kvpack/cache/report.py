@@ -1,9 +1,9 @@
 """Memory accounting of a :class:`~kvpack.cache.PagedKVCache`, and its consistency checks.
 
 Every byte the cache allocated on its device falls in exactly one bucket per layer:
-``payload + scale + outlier + tail + cached + unused == allocated``. ``shared`` is not a bucket: it is what
-sharing saved (blocks referenced by several sequences counted once). The identity the tests check, for
-quantized formats: ``payload + scale + outlier + tail + host == theoretical - shared``, where ``theoretical`` sums
+``payload + scale + outlier + tail + sink + cached + unused == allocated``. ``shared`` is not a bucket: it is
+what sharing saved (blocks referenced by several sequences counted once). The identity the tests check, for
+quantized formats: ``payload + scale + outlier + tail + sink + host == theoretical - shared``, where ``theoretical`` sums
 :meth:`kvpack.formats.KVFormat.bytes_for_tokens` over the sequences.
 """
 
@@ -28,8 +28,10 @@ class LayerMemory:
         scale_bytes: scales and zero-points of blocks in use.
         outlier_bytes: outlier key channels of blocks in use (fp16 residuals and channel indices).
         tail_bytes: full-precision tails of live sequences.
-        cached_bytes: unreferenced blocks kept for prefix reuse (evictable: available to allocations).
-        unused_bytes: allocated but holding nothing: free blocks, the null block, empty tail slots.
+        sink_bytes: full-precision sink buffers of live sequences (a format with ``sink > 0``).
+        cached_bytes: unreferenced blocks kept for prefix reuse (evictable: available to allocations), plus
+            the sink rows kept beside registered first blocks for prefix reuse (a format with a sink).
+        unused_bytes: allocated but holding nothing: free blocks, the null block, empty tail and sink slots.
         shared_bytes: saved by sharing: ``(references - 1) x block bytes`` summed over blocks in use.
         host_bytes: blocks offloaded to the host tier (not on the device).
         live_tokens: tokens held by live sequences (positions released by a sliding window excluded).
@@ -40,6 +42,7 @@ class LayerMemory:
     scale_bytes: int = 0
     outlier_bytes: int = 0
     tail_bytes: int = 0
+    sink_bytes: int = 0
     cached_bytes: int = 0
     unused_bytes: int = 0
     shared_bytes: int = 0
@@ -49,8 +52,8 @@ class LayerMemory:
 
     @property
     def used_bytes(self) -> int:
-        """Device bytes holding live data: payload, scales, outlier channels and tails."""
-        return self.payload_bytes + self.scale_bytes + self.outlier_bytes + self.tail_bytes
+        """Device bytes holding live data: payload, scales, outlier channels, tails and sink buffers."""
+        return self.payload_bytes + self.scale_bytes + self.outlier_bytes + self.tail_bytes + self.sink_bytes
 
     @property
     def allocated_bytes(self) -> int:
@@ -105,6 +108,11 @@ class MemoryReport:
             f"allocated {t.allocated_bytes * mib:.2f} MiB (cached {t.cached_bytes * mib:.2f}, unused {t.unused_bytes * mib:.2f});"
             f" host {t.host_bytes * mib:.2f} MiB",
         ]
+        if t.sink_bytes:
+            lines.append(
+                f"sinks {t.sink_bytes:,} bytes ({t.sink_bytes * mib:.4f} MiB, in used): each sequence's first "
+                "positions kept in full precision (KVFormat.sink_bytes per sequence and layer)"
+            )
         if self.clipped is not None:
             c = self.clipped
             lines.append(
@@ -130,6 +138,8 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
     elem = cache._tail_k.element_size()
     host_blocks = cache.host.num_blocks()
     host_per_layer = host_blocks * block
+    sink_slot = 2 * h * cache.sink * d * elem
+    prefix_sinks = cache.prefix_sinks.nbytes() // cache.num_layers if cache.sink else 0
     layers = []
     for layer in range(cache.num_layers):
         live = theory = 0
@@ -143,8 +153,9 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
                 scale_bytes=used * scale,
                 outlier_bytes=used * outlier,
                 tail_bytes=nseq * tail_slot,
-                cached_bytes=cached * block,
-                unused_bytes=(free + 1) * block + (slots - nseq) * tail_slot,
+                sink_bytes=nseq * sink_slot,
+                cached_bytes=cached * block + prefix_sinks,
+                unused_bytes=(free + 1) * block + (slots - nseq) * (tail_slot + sink_slot),
                 shared_bytes=shared_refs * block,
                 host_bytes=host_per_layer,
                 live_tokens=live,

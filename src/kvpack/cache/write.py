@@ -275,6 +275,8 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
             ids.append(seq.blocks[lb])
         cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq, k_outlier)
     _write_tails(cache, layer, rows, kc, vc, r, s)
+    if cache.sink and (n_old < cache.sink).any():
+        _write_sink(cache, layer, rows, kc, vc, n_old)
     cache._lens_np[layer, slots] += t_new
     for i in sealing.tolist():
         cache._register(rows.seqs[i])
@@ -282,6 +284,19 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
         fmt = cache.format
         sealed = blocks_k.numel() * fmt.key.static + blocks_v.numel() * fmt.value.static
         cache.clip_monitor.record(layer, clipped_k + clipped_v, sealed)
+
+
+def _write_sink(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, n_old: np.ndarray) -> None:
+    """Appended positions ``p < S`` also go to the sink buffer ``[slots, H, S, D]`` (keys as the tail holds
+    them: rotated when the key spec rotates, in the tail dtype)."""
+    t_new = kc.shape[2]
+    p = n_old[:, None] + np.arange(t_new)  # [batch, T] positions of the new tokens
+    ri, ti = np.nonzero(p < cache.sink)
+    dev = kc.device
+    ri_t, ti_t = torch.from_numpy(ri).to(dev), torch.from_numpy(ti).to(dev)
+    slot_t, pos_t = torch.from_numpy(rows.slots[ri]).to(dev), torch.from_numpy(p[ri, ti]).to(dev)
+    cache._sink_k[layer][slot_t, :, pos_t] = kc[ri_t, :, ti_t]
+    cache._sink_v[layer][slot_t, :, pos_t] = vc[ri_t, :, ti_t]
 
 
 def _write_tails(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, r: np.ndarray, s: np.ndarray) -> None:

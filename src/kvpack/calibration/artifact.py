@@ -275,7 +275,7 @@ def _named(fmt: KVFormat, name: Any) -> KVFormat:
         same = isinstance(name, str) and parse_format(name) == fmt
     except FormatError:
         same = False
-    return KVFormat(fmt.key, fmt.value, fmt.block_size, name=name) if same else fmt
+    return KVFormat(fmt.key, fmt.value, fmt.block_size, name=name, sink=fmt.sink) if same else fmt
 
 
 def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVFormat | None = None) -> Artifact:

@@ -65,7 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _split(text: str | None) -> tuple[str, ...]:
-    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+    from kvpack.formats import split_formats  # "int4,sink=1,int8": two formats
+
+    return tuple(split_formats(text or ""))
 
 
 def _run_decode(args: argparse.Namespace) -> int:

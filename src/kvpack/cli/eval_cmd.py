@@ -39,9 +39,9 @@ def _floats(text: str) -> list[float]:
 
 
 def _names(text: str) -> list[str]:
-    # format strings may hold commas (k=...,v=...): split on ';' when present, else on ','
-    sep = ";" if ";" in text else ","
-    return [p.strip() for p in text.split(sep) if p.strip()]
+    from kvpack.formats import split_formats  # fields (sink=1, v=...) stay with their format
+
+    return split_formats(text)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -57,7 +57,12 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
-    p.add_argument("--formats", type=_names, default=None, help="comma-separated formats (';' if they hold commas)")
+    p.add_argument(
+        "--formats",
+        type=_names,
+        default=None,
+        help="comma-separated formats; fields stay with their format (int4,sink=1,int8), or separate with ';'",
+    )
     p.add_argument("--lengths", type=_ints, default=None, help="needle context lengths, e.g. 1k,2k,4k")
     p.add_argument("--depths", type=_floats, default=None, help="needle depths in [0,1], e.g. 0.1,0.5,0.9")
     p.add_argument(

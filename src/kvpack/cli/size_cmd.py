@@ -138,6 +138,12 @@ def render(p) -> str:
         f"cache {unit}: sealed blocks plus each sequence's fp16 tail of one block per layer (tail included);",
         "saving: fp16 cache / this cache.",
     ]
+    for r in p.rows:
+        if r.format.sink:
+            out.append(
+                f"sink: {r.format.name} also keeps its first {r.format.sink} position(s) in fp16, "
+                f"{r.sink_bytes_per_sequence:,} bytes per sequence (all layers; in the cache column)."
+            )
     if p.cache_budget_bytes is not None:
         out.append(
             f"memory: {p.gpu_mem_bytes / GIB:,.2f} GiB GPU - {(p.weights_bytes or 0) / GIB:,.2f} GiB weights = "

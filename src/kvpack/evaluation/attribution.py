@@ -27,12 +27,17 @@ _FP16 = QuantSpec(DType.FP16)
 
 def keys_only(fmt: KVFormat) -> KVFormat:
     """``fmt``'s key spec with fp16 values (values untouched but for the fp16 rounding)."""
-    return KVFormat(fmt.key, _FP16, fmt.block_size, name=f"{fmt.name} keys only")
+    return KVFormat(fmt.key, _FP16, fmt.block_size, name=f"{fmt.name} keys only", sink=_sink(fmt.key, fmt))
 
 
 def values_only(fmt: KVFormat) -> KVFormat:
     """fp16 keys with ``fmt``'s value spec."""
-    return KVFormat(_FP16, fmt.value, fmt.block_size, name=f"{fmt.name} values only")
+    return KVFormat(_FP16, fmt.value, fmt.block_size, name=f"{fmt.name} values only", sink=_sink(fmt.value, fmt))
+
+
+def _sink(kept: QuantSpec, fmt: KVFormat) -> int:
+    """``fmt``'s sink when the kept spec is quantized (a full-precision format has no sink)."""
+    return 0 if kept.is_passthrough else fmt.sink
 
 
 def attention_modules(model: Any) -> list[Any]:

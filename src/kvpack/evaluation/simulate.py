@@ -3,7 +3,8 @@
 Tokens land in a full-precision tail; when ``block_size`` tokens complete a block, the block is replaced by
 ``quant.dequantize(quant.quantize(block))``: the very values kvpack's paged cache reconstructs from that
 block's payload and scales. Attention then runs through the model's own attention function (sdpa), so the
-numbers are those of kvpack's cache with a different (unfused) kernel.
+numbers are those of kvpack's cache with a different (unfused) kernel. A format with ``sink = S`` keeps
+positions ``< S`` as they entered (what kvpack's cache reads from its sink buffer) after the round trip.
 
 Why keep it next to the real engine: it takes a different format per layer (one layer quantized at a time,
 for the per-layer sensitivity sweep), any transformers attention implementation, and any model the real
@@ -65,6 +66,15 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
     return rec.permute(0, 2, 1, 3, 4).reshape(b, h, t, d).to(x.dtype)
 
 
+def sink_keys(k: torch.Tensor, spec) -> torch.Tensor:
+    """Keys ``[..., S, D]`` as kvpack's sink buffer returns them: as they are, or for a rotating key spec
+    stored as ``k @ R`` in ``k.dtype`` and read back unrotated (float32 math, cast to ``k.dtype``)."""
+    if not spec.rotate:
+        return k
+    r = key_rotation(k.shape[-1], k.device)
+    return unrotate(rotate(k.float(), r).to(k.dtype).float(), r).to(k.dtype)
+
+
 def _layer_class():
     from transformers.cache_utils import DynamicLayer
 
@@ -97,6 +107,10 @@ def _layer_class():
                 if self.zero_keys:  # the planted broken format of the tests
                     k_rec = torch.zeros_like(k_rec)
                 v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b, self.value_scales)
+                n_sink = min(self.fmt.sink, full) - self.sealed
+                if n_sink > 0:  # the sink positions: read back exactly as they entered the cache
+                    k_rec[..., :n_sink, :] = sink_keys(keys[..., self.sealed : self.sealed + n_sink, :], self.fmt.key)
+                    v_rec[..., :n_sink, :] = values[..., self.sealed : self.sealed + n_sink, :]
                 self.keys = torch.cat([keys[..., : self.sealed, :], k_rec, keys[..., full:, :]], dim=-2)
                 self.values = torch.cat([values[..., : self.sealed, :], v_rec, values[..., full:, :]], dim=-2)
                 self.sealed = full

@@ -96,6 +96,11 @@ def vllm_reasons_unsupported(format: str | KVFormat) -> list[str]:
             f"keys are {fmt.key.dtype.value} and values {fmt.value.dtype.value}: vLLM's kv_cache_dtype is one "
             "dtype for both"
         )
+    if fmt.sink:  # orthogonal to the scales: the export ignores it
+        reasons.append(
+            f"sink={fmt.sink}: vLLM has no full-precision sink positions; the first {fmt.sink} position(s) are "
+            "quantized like the rest (the exported scales do not depend on the sink)"
+        )
     return reasons
 
 

@@ -4,7 +4,8 @@ Backends: ``reference`` (torch oracle, the slow last resort), ``cpu`` (fused and
 ``triton`` (GPU; runs under the Triton interpreter in tests). Each backend module exposes
 ``reasons_unsupported(q, kv, window) -> list[str]`` and ``decode_attention(q, kv, sm_scale, window, out)``.
 A backend that applies outlier key channels (``kv.k_outlier``) says so with ``SUPPORTS_OUTLIERS = True``;
-one that does not is never handed such a cache (the dispatcher adds :data:`OUTLIER_REASON`).
+one that does not is never handed such a cache (the dispatcher adds :data:`OUTLIER_REASON`); likewise
+``SUPPORTS_SINK = True`` for full-precision sink positions (``kv.sink_k``, :data:`SINK_REASON`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpack.rotation import rotate
 __all__ = [
     "BACKENDS",
     "OUTLIER_REASON",
+    "SINK_REASON",
     "PagedKV",
     "backend_reasons",
     "choose_backend",
@@ -36,6 +38,7 @@ BACKENDS = {
 }
 
 OUTLIER_REASON = "outlier key channels (k_outlier) are not supported by this backend"
+SINK_REASON = "full-precision sink positions (sink_k) are not supported by this backend"
 
 _warned: set[tuple[str, str]] = set()
 
@@ -56,6 +59,8 @@ def backend_reasons(name: str, q: torch.Tensor, kv: PagedKV, window: int | None 
     reasons = list(mod.reasons_unsupported(q, kv, window))
     if kv.k_outlier is not None and not getattr(mod, "SUPPORTS_OUTLIERS", False):
         reasons.append(OUTLIER_REASON)
+    if kv.sink_k is not None and not getattr(mod, "SUPPORTS_SINK", False):
+        reasons.append(SINK_REASON)
     return reasons
 
 

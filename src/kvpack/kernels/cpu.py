@@ -24,13 +24,23 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import DType, QuantSpec, ScaleDType
+from kvpack.kernels.sink import check_sink, masked_start, sink_partials
 from kvpack.kernels.views import PagedKV, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
-__all__ = ["MIN_CHUNK_TOKENS", "SUPPORTS_OUTLIERS", "decode_attention", "int_dot_enabled", "reasons_unsupported"]
+__all__ = [
+    "MIN_CHUNK_TOKENS",
+    "SUPPORTS_OUTLIERS",
+    "SUPPORTS_SINK",
+    "decode_attention",
+    "int_dot_enabled",
+    "reasons_unsupported",
+]
 
 # Outlier key channels (kv.k_outlier residuals at kv.k_outlier_idx) are added to the scores in the kernel.
 SUPPORTS_OUTLIERS = True
+# sink rows are attended beside the kernel and merged with its chunks (kvpack.kernels.sink)
+SUPPORTS_SINK = True
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -230,6 +240,7 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     _check_scales(kv.format.key, kv, kv.k_scale, kv.k_zero, "key")
     _check_scales(kv.format.value, kv, kv.v_scale, kv.v_zero, "value")
     _check_outliers(kv)
+    check_sink(kv)
 
 
 def _check_outliers(kv: PagedKV) -> None:
@@ -300,7 +311,7 @@ def decode_attention(
         raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
     if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
         raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
-    start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
+    start = masked_start(kv).contiguous().numpy()  # sink rows: their block copies are masked like padding
     tpk, tpv = kp.copy(), vp.copy()
     for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
         tp[:] = 0
@@ -352,6 +363,8 @@ def decode_attention(
     _run_sliced(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
+    if kv.sink:
+        first, pm, pl, pacc = _with_sink(q, kv, sm * _LOG2E, window, first, pm, pl, pacc)
     nbm.merge(first, kv.kv_heads, pm, pl, pacc, res)
     if direct:
         return out
@@ -359,6 +372,26 @@ def decode_attention(
     if out is not None:
         return out.copy_(result)
     return result.to(q.dtype)
+
+
+def _with_sink(q, kv, scale_log2, window, first, pm, pl, pacc):
+    """The kernel's partials with one more per (sequence, kv head): its sink rows, placed after its chunks."""
+    m, lsum, acc = sink_partials(q, kv, scale_log2, window)
+    n_bh = first.shape[0] - 1
+    counts = np.diff(first)
+    shift = np.repeat(np.arange(n_bh), counts)  # item i of (row, head) bh moves to i + bh
+    new_first = (first + np.arange(n_bh + 1)).astype(first.dtype)
+    n = pm.shape[0] + n_bh
+    pm2 = np.empty((n, *pm.shape[1:]), np.float32)
+    pl2 = np.empty((n, *pl.shape[1:]), np.float32)
+    pacc2 = np.empty((n, *pacc.shape[1:]), np.float32)
+    old = np.arange(pm.shape[0]) + shift
+    pm2[old], pl2[old], pacc2[old] = pm, pl, pacc
+    last = new_first[1:] - 1
+    pm2[last] = m.reshape(n_bh, -1).numpy()
+    pl2[last] = lsum.reshape(n_bh, -1).numpy()
+    pacc2[last] = acc.reshape(n_bh, *pacc.shape[1:]).numpy()
+    return new_first, pm2, pl2, pacc2
 
 
 _pool: ThreadPoolExecutor | None = None

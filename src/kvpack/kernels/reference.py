@@ -23,7 +23,8 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Positions of released (out-of-window) blocks come back as zeros. Keys of a format with outlier
     channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`); keys
-    stored rotated (``kv.key_rotation``) come back unrotated.
+    stored rotated (``kv.key_rotation``) come back unrotated. With a sink (``kv.sink_k``), positions
+    ``p < min(S, sealed tokens)`` are the sink rows instead of their block rows (exactly what kernels read).
     """
     n = int(kv.seq_lens[row])
     b = kv.block_size
@@ -46,6 +47,10 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
             x = _with_residuals(x, kv, ids)
         x = torch.where((ids == 0).view(-1, 1, 1, 1), torch.zeros_like(x), x)
         x = x.permute(1, 0, 2, 3).reshape(kv.kv_heads, nb * b, kv.head_dim)
+        sink = kv.sink_k if role == "key" else kv.sink_v
+        s = min(kv.sink, nb * b)
+        if s and int(ids[0]):  # sink positions of a block the window released stay zero like the rest of it
+            x = torch.cat([sink[row, :, :s].float(), x[:, s:]], dim=1)
         out.append(torch.cat([x, tail_x[row, :, :tail].float()], dim=1))
     if kv.key_rotation is not None:  # stored keys are k @ R: back to natural keys (released zeros stay zero)
         out[0] = out[0] @ kv.key_rotation.T.float()
@@ -74,6 +79,8 @@ def check_query(q: torch.Tensor, kv: PagedKV) -> None:
 def row_history(kv: PagedKV, row: int, t: int, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """What the last ``t`` queries of sequence ``row`` attend: keys and values ``[H * group, n, D]`` float32
     (repeated for grouped-query attention) and the first attended position (``kv.start_pos``, else 0).
+    Rows ``p < min(S, sealed tokens)`` are the sink rows of a view with a sink (:func:`dense_history`), so the
+    reference and the transformers chunk path read what the fused kernels read.
 
     Raises:
         ShapeError: the sequence holds fewer than ``t`` tokens (the chunk was not appended first).
@@ -140,6 +147,7 @@ def paged_attention_reference(
 
 
 SUPPORTS_OUTLIERS = True
+SUPPORTS_SINK = True
 
 
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:

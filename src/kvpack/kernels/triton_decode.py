@@ -3,8 +3,9 @@
 One program handles one sequence, one kv head (all of its query heads: one read of K/V per block for the
 whole group) and one split of the sequence's sealed blocks (flash-decoding). It dequantizes each block in
 registers (key scales folded into the query where the granularity allows), keeps an online softmax in
-float32, and the last split attends the full-precision tail. Splits are merged with a log-sum-exp in a
-second small kernel. Dequantized K/V never reach memory.
+float32, and the last split attends the full-precision tail. With a sink (``kv.sink_k``) the first split
+attends the sink rows first and the blocks mask those positions out. Splits are merged with a log-sum-exp
+in a second small kernel. Dequantized K/V never reach memory.
 
 The jit code is in :mod:`kvpack.kernels.triton_kernels`; this module checks shapes, chooses the number
 of splits and launches. Triton is imported lazily, so this module imports without it.
@@ -39,6 +40,7 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scores inside the kernel
+SUPPORTS_SINK = True  # full-precision sink positions replace their sealed rows inside the kernel
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains in parallelism
 MAX_SPLITS = 64
@@ -209,6 +211,24 @@ def _check_outliers(kv: PagedKV) -> None:
         raise ShapeError(f"k_outlier_idx must be [{nb}, {h}, {n}] uint8 or int16, got {tuple(i.shape)} {i.dtype}")
 
 
+def _check_sink(kv: PagedKV) -> None:
+    """``sink_k`` / ``sink_v``: both or neither, ``[batch, H, S, D]`` in the tail dtype, ``S <= block_size``."""
+    if (kv.sink_k is None) != (kv.sink_v is None):
+        raise ShapeError("sink_k and sink_v must both be given (a format with a sink) or both be None")
+    if kv.sink_k is None:
+        return
+    batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
+    n = kv.sink_k.shape[2] if kv.sink_k.dim() == 4 else -1
+    for name, t in (("sink_k", kv.sink_k), ("sink_v", kv.sink_v)):
+        if tuple(t.shape) != (batch, h, n, d) or t.stride(-1) != 1 or t.dtype != kv.tail_k.dtype:
+            raise ShapeError(
+                f"{name} must be [{batch}, {h}, S, {d}] {kv.tail_k.dtype} (the tail dtype), contiguous in head_dim, "
+                f"with S the same for both, got {tuple(t.shape)} {t.dtype}"
+            )
+    if n > b:
+        raise ShapeError(f"sink_k holds {n} positions, more than block_size={b}: a sink keeps at most one block")
+
+
 def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     refuse_rotated(kv)
     batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
@@ -231,12 +251,10 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     if kv.start_pos is not None and (kv.start_pos.dtype != torch.int32 or tuple(kv.start_pos.shape) != (batch,)):
         raise ShapeError(f"start_pos must be [batch={batch}] int32, got {tuple(kv.start_pos.shape)}")
     _check_outliers(kv)
+    _check_sink(kv)
     tensors = [kv.k_data, kv.v_data, kv.block_tables, kv.seq_lens, kv.tail_k, kv.tail_v]
-    tensors += [
-        t
-        for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos, kv.k_outlier, kv.k_outlier_idx)
-        if t is not None
-    ]
+    optional = (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos, kv.k_outlier, kv.k_outlier_idx)
+    tensors += [t for t in (*optional, kv.sink_k, kv.sink_v) if t is not None]
     for t in tensors:
         if t.device != q.device:
             raise ShapeError(f"every cache tensor must be on q's device {q.device}, found one on {t.device}")
@@ -276,6 +294,12 @@ def _outlier_args(kv: PagedKV) -> tuple:
         return (kv.k_data, 0, 0, 0, kv.k_data, 0, 0)
     r, i = kv.k_outlier, kv.k_outlier_idx
     return (r, r.stride(0), r.stride(1), r.stride(2), i, i.stride(0), i.stride(1))
+
+
+def _sink_args(kv: PagedKV) -> tuple:
+    """Sink row pointers and (batch, head, slot) strides, and ``S`` (the tail, unread, without a sink)."""
+    k, v = (kv.sink_k, kv.sink_v) if kv.sink else (kv.tail_k, kv.tail_v)
+    return (k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2), kv.sink)
 
 
 def launch_config(head_dim: int, block_size: int, group: int) -> dict[str, int]:
@@ -346,6 +370,7 @@ def plan(
         kv.seq_lens, start,
         kv.tail_k, kv.tail_k.stride(0), kv.tail_k.stride(1), kv.tail_k.stride(2),
         kv.tail_v, kv.tail_v.stride(0), kv.tail_v.stride(1), kv.tail_v.stride(2),
+        *_sink_args(kv),
         result, result.stride(0), result.stride(1),
         acc, acc.stride(0), acc.stride(1), acc.stride(2) if splits > 1 else 0,
         ml, ml.stride(0), ml.stride(1), ml.stride(2) if splits > 1 else 0,
@@ -359,6 +384,8 @@ def plan(
         "SPLIT": splits > 1,  # the split count itself is a runtime argument: no recompiles
         "HAS_START": kv.start_pos is not None,
         "HAS_WINDOW": window is not None,
+        "HAS_SINK": kv.sink > 0,
+        "BLOCK_SINK": max(16, _next_pow2(kv.sink)),  # a dot operand needs 16 rows; slots past S are masked
         **{f"K_{n}": v for n, v in kc.items()},
         **{f"V_{n}": v for n, v in vc.items()},
         "N_OUT": n_out,

@@ -11,6 +11,8 @@ shapes and turn a :class:`~kvpack.formats.QuantSpec` into the compile-time const
 * ``PER``: elements per payload byte (1, or 2 for int4, 4 for int2). A packed tile is never interleaved
   in registers: part ``j`` of a tile holds channels ``c = i * PER + j``, and the query and the output
   accumulators are split the same way, so the dot products run on contiguous bytes.
+* ``HAS_SINK`` / ``BLOCK_SINK``: full-precision sink rows (``PagedKV.sink_k``; ``BLOCK_SINK`` a power of two
+  >= 16 covering ``S``) replace the first ``min(S, n_sealed)`` sealed rows; without a sink none of it compiles.
 
 This module imports triton at module level; import it only after ``TRITON_INTERPRET`` is settled.
 """
@@ -208,9 +210,39 @@ def _softmax_step(s, m_i, l_i):
 
 @triton.jit
 def _tail_part(rows, offs_p, t_mask, J: tl.constexpr, PER: tl.constexpr, DOT: tl.constexpr):
-    """Channels ``i * PER + J`` of the used tail slots ``[BLOCK_SIZE, D // PER]`` in the dot dtype (unused
-    slots are not loaded: they read as 0)."""
+    """Channels ``i * PER + J`` of the used full-precision rows ``[R, D // PER]`` in the dot dtype (unused
+    rows are not loaded: they read as 0)."""
     return tl.load(rows + (offs_p * PER + J)[None, :], mask=t_mask, other=0.0).to(DOT)
+
+
+@triton.jit
+def _attend_rows(
+    kr,  # [R, 1] pointers to full-precision key rows (the tail, or the sink)
+    vr,  # [R, 1] pointers to the value rows
+    offs_pk,
+    offs_pv,
+    load,  # [R, 1] rows to load (others are never read)
+    valid,  # [R] rows attended (loaded and inside the start_pos / window range)
+    qd0, qd1, qd2, qd3, m_i, l_i, acc0, acc1, acc2, acc3,
+    K_PER: tl.constexpr, V_PER: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over ``R`` full-precision rows, split into parts like the payload."""
+    s = tl.dot(qd0, tl.trans(_tail_part(kr, offs_pk, load, 0, K_PER, DOT)))
+    if K_PER >= 2:
+        s += tl.dot(qd1, tl.trans(_tail_part(kr, offs_pk, load, 1, K_PER, DOT)))
+    if K_PER >= 4:
+        s += tl.dot(qd2, tl.trans(_tail_part(kr, offs_pk, load, 2, K_PER, DOT)))
+        s += tl.dot(qd3, tl.trans(_tail_part(kr, offs_pk, load, 3, K_PER, DOT)))
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+    pd = p.to(DOT)
+    acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 0, V_PER, DOT))
+    if V_PER >= 2:
+        acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 1, V_PER, DOT))
+    if V_PER >= 4:
+        acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 2, V_PER, DOT))
+        acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 3, V_PER, DOT))
+    return m_i, l_i, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -228,12 +260,16 @@ def paged_decode_kernel(
     seq_ptr, start_ptr,  # seq_lens [batch] int32, start_pos [batch] int32
     tk_ptr, stk_b, stk_h, stk_t,  # tail_k [batch, H, B, D]
     tv_ptr, stv_b, stv_h, stv_t,
+    sk_ptr, ssk_b, ssk_h, ssk_t,  # sink_k [batch, H, S, D] (unread without HAS_SINK)
+    sv_ptr, ssv_b, ssv_h, ssv_t,  # sink_v
+    sink_len,  # S: positions [0, S) of a sequence with a sealed block are read from the sink
     o_ptr, so_b, so_h,  # out [batch, Hq, D] (written here when not SPLIT)
     acc_ptr, sacc_b, sacc_h, sacc_s,  # partial sums [batch, Hq, splits, D] float32
     ml_ptr, sml_b, sml_h, sml_s,  # partial (max, sum) [batch, Hq, splits, 2] float32
     qk_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, HAS_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINK: tl.constexpr, BLOCK_SINK: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_PER: tl.constexpr, K_SCALE: tl.constexpr,
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
@@ -254,7 +290,11 @@ def paged_decode_kernel(
         lo = tl.maximum(lo, tl.load(start_ptr + pid_b))
     if HAS_WINDOW:
         lo = tl.maximum(lo, seq_len - window)  # the query sits at seq_len - 1
-    first = lo // BLOCK_SIZE  # blocks before it are never read (they may be released: id 0)
+    lo_sealed = lo  # first position read from a sealed block
+    if HAS_SINK:  # sealed rows of sink positions are replaced by the sink's full-precision rows
+        n_sink = tl.minimum(sink_len, n_sealed * BLOCK_SIZE)
+        lo_sealed = tl.maximum(lo, n_sink)
+    first = lo_sealed // BLOCK_SIZE  # blocks before it are never read (they may be released: id 0)
     per_split = (tl.maximum(n_sealed - first, 0) + num_splits - 1) // num_splits
     blk_lo = first + pid_s * per_split
     blk_hi = tl.minimum(blk_lo + per_split, n_sealed)
@@ -292,6 +332,18 @@ def paged_decode_kernel(
     acc2 = tl.zeros([BLOCK_G, DV], tl.float32)
     acc3 = tl.zeros([BLOCK_G, DV], tl.float32)
 
+    # ---- the full-precision sink rows (positions [0, n_sink)), attended first by the first split: before the
+    # block loop nothing else is live (attended after the loop, fp8-o4 took 142-158 registers on sm_90, not 128)
+    if HAS_SINK:
+        if pid_s == 0:
+            offs_r = tl.arange(0, BLOCK_SINK)
+            valid = (offs_r < n_sink) & (offs_r >= lo)  # sink slot r holds position r
+            kr = sk_ptr + pid_b * ssk_b + pid_h * ssk_h + offs_r[:, None] * ssk_t
+            vr = sv_ptr + pid_b * ssv_b + pid_h * ssv_h + offs_r[:, None] * ssv_t
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
+                kr, vr, offs_pk, offs_pv, valid[:, None], valid, qd0, qd1, qd2, qd3, m_i, l_i,
+                acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
+
     # fmt: off
     for i in range(blk_lo, blk_hi):
         blk = tl.load(bt_ptr + pid_b * sbt_b + i).to(tl.int64)
@@ -317,7 +369,7 @@ def paged_decode_kernel(
             r = tl.load(ko_ptr + blk * sko_n + pid_h * sko_h + offs_t[:, None] * sko_t + offs_o[None, :],
                         mask=o_mask[None, :], other=0.0)
             s += tl.sum((qo.to(tl.float32) * qk_scale)[:, None, :] * r.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where((i * BLOCK_SIZE + offs_t >= lo)[None, :], s, float("-inf"))
+        s = tl.where((i * BLOCK_SIZE + offs_t >= lo_sealed)[None, :], s, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(DOT)
         # ---- values
@@ -344,24 +396,12 @@ def paged_decode_kernel(
     if pid_s == num_splits - 1:
         n_tail = seq_len - n_sealed * BLOCK_SIZE
         t_mask = (offs_t < n_tail)[:, None]  # never load unused (poisoned) tail slots
-        tk = tk_ptr + pid_b * stk_b + pid_h * stk_h + offs_t[:, None] * stk_t
-        s = tl.dot(qd0, tl.trans(_tail_part(tk, offs_pk, t_mask, 0, K_PER, DOT)))
-        if K_PER >= 2:
-            s += tl.dot(qd1, tl.trans(_tail_part(tk, offs_pk, t_mask, 1, K_PER, DOT)))
-        if K_PER >= 4:
-            s += tl.dot(qd2, tl.trans(_tail_part(tk, offs_pk, t_mask, 2, K_PER, DOT)))
-            s += tl.dot(qd3, tl.trans(_tail_part(tk, offs_pk, t_mask, 3, K_PER, DOT)))
         valid = (offs_t < n_tail) & (n_sealed * BLOCK_SIZE + offs_t >= lo)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-        pd = p.to(DOT)
+        tk = tk_ptr + pid_b * stk_b + pid_h * stk_h + offs_t[:, None] * stk_t
         tv = tv_ptr + pid_b * stv_b + pid_h * stv_h + offs_t[:, None] * stv_t
-        acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 0, V_PER, DOT))
-        if V_PER >= 2:
-            acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 1, V_PER, DOT))
-        if V_PER >= 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 2, V_PER, DOT))
-            acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(tv, offs_pv, t_mask, 3, V_PER, DOT))
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
+            tk, tv, offs_pk, offs_pv, t_mask, valid, qd0, qd1, qd2, qd3, m_i, l_i,
+            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
 
     # ---- results: normalized output when there is one split, else the partial sums for the merge
     if not SPLIT:

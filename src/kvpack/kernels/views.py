@@ -55,6 +55,14 @@ class PagedKV:
             ``q @ key_rotation``; :func:`~kvpack.kernels.reference.dense_history` returns natural keys.
             ``None`` otherwise. Fused backends take it already applied (the dispatcher rotates the query
             and passes a view without it).
+        sink_k: ``[batch, H, S, D]``, same dtype as ``tail_k``, for a format with ``sink = S > 0`` (attention
+            sinks): full-precision copies of each sequence's first ``S`` positions (stored rotated like the
+            tail when the key spec rotates). For a sequence with ``n_sealed = (seq_len // B) * B`` sealed tokens,
+            positions ``p < min(S, n_sealed)`` are read from ``sink_k[b, :, p]`` / ``sink_v[b, :, p]`` instead
+            of their sealed block rows (payload and outlier residuals of those rows are ignored); positions in
+            the tail come from the tail as always. Window and ``start_pos`` masks apply to them by position.
+            ``None`` when the format has no sink.
+        sink_v: ``[batch, H, S, D]``, same dtype as ``tail_v``; ``None`` exactly when ``sink_k`` is.
     """
 
     format: KVFormat
@@ -73,10 +81,17 @@ class PagedKV:
     k_outlier: torch.Tensor | None = None
     k_outlier_idx: torch.Tensor | None = None
     key_rotation: torch.Tensor | None = None
+    sink_k: torch.Tensor | None = None
+    sink_v: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def sink(self) -> int:
+        """``S``: leading positions read from ``sink_k`` / ``sink_v`` (0 without a sink)."""
+        return 0 if self.sink_k is None else self.sink_k.shape[2]
 
     @property
     def kv_heads(self) -> int:
