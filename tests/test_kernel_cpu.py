@@ -323,3 +323,35 @@ def test_outlier_pools_are_checked() -> None:
     bad[kv.block_tables[0, 0].long(), 0, 0] = 64  # a channel past head_dim in a block the sequence uses
     with pytest.raises(ShapeError, match="outside"):
         cpu.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=bad))
+
+
+def test_integer_loops_are_valid_ir_for_every_isa() -> None:
+    """The integer loops are LLVM IR text generated per code kind and instruction set, and this machine compiles
+    only its own: every combination (VNNI, AVX-512 BW, portable) must parse and verify. Rows of one code per byte
+    prefetch the block after next into L2 and the next one into L1 (locality 3); packed codes only the former."""
+    from llvmlite import binding as llvm
+
+    nbm = cpu._nb()
+    for kind in (nbm.S8, nbm.U8, nbm.U4, nbm.U2):
+        for isa in ("vnni", "bw", "generic"):
+            for gen in (nbm._kdot_ir, nbm._vdot_ir):
+                text = gen(f"kvpack_test_{kind}_{isa}", kind, isa)
+                llvm.parse_assembly(text).verify()
+                one_per_byte = kind in (nbm.S8, nbm.U8)
+                assert text.count("call void @llvm.prefetch.p0") == (2 if one_per_byte else 1)
+                assert (", i32 0, i32 3, i32 1)" in text) == one_per_byte
+
+
+def test_next_block_rows_to_prefetch_into_l1() -> None:
+    """Offset of the next block's rows (``_near_rows``): block id from the table, 0 past the item's last block,
+    for the tail, for the null block and for rows under 128 bytes."""
+    import numpy as np
+
+    nbm = cpu._nb()
+    tables = np.array([[5, 9, 0, 7]], np.int32)
+    kv_heads, h, bs, rs, t = 8, 3, 64, 128, 4
+    assert nbm._near_rows(tables, 0, 0, 4, False, kv_heads, h, bs, rs, t) == ((9 * kv_heads + h) * bs + t) * rs
+    assert nbm._near_rows(tables, 0, 0, 1, False, kv_heads, h, bs, rs, t) == 0  # j + 1 is past the item
+    assert nbm._near_rows(tables, 0, 1, 4, False, kv_heads, h, bs, rs, t) == 0  # the next block is released
+    assert nbm._near_rows(tables, 0, 0, 4, True, kv_heads, h, bs, rs, t) == 0  # the tail
+    assert nbm._near_rows(tables, 0, 0, 4, False, kv_heads, h, bs, 64, t) == 0  # 64-byte rows: not worth it

@@ -24,8 +24,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import DType, QuantSpec, ScaleDType
-from kvpack.kernels.sink import check_sink, masked_start, sink_partials
-from kvpack.kernels.views import PagedKV, refuse_rotated
+from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = [
@@ -39,7 +38,7 @@ __all__ = [
 
 # Outlier key channels (kv.k_outlier residuals at kv.k_outlier_idx) are added to the scores in the kernel.
 SUPPORTS_OUTLIERS = True
-# sink rows are attended beside the kernel and merged with its chunks (kvpack.kernels.sink)
+# sink rows are attended beside the kernel and merged with its chunks (kvpack.kernels.cpu_sink)
 SUPPORTS_SINK = True
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -311,7 +310,9 @@ def decode_attention(
         raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
     if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
         raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
-    start = masked_start(kv).contiguous().numpy()  # sink rows: their block copies are masked like padding
+    start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
+    sink_len = np.minimum(seq_lens // b * b, kv.sink) if kv.sink else None  # sink positions each row reads
+    kernel_start = start if sink_len is None else np.maximum(start, sink_len).astype(np.int32)
     tpk, tpv = kp.copy(), vp.copy()
     for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
         tp[:] = 0
@@ -323,7 +324,7 @@ def decode_attention(
     win = -1 if window is None else int(window)
     threads = max(1, torch.get_num_threads())
     items, first = nbm.plan(
-        seq_lens, start, win, b, kv.kv_heads, _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // b)
+        seq_lens, kernel_start, win, b, kv.kv_heads, _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // b)
     )
     qf = q.detach().float().contiguous().numpy()
     g = q.shape[1] // kv.kv_heads
@@ -349,7 +350,7 @@ def decode_attention(
         tpv,
         tables,
         seq_lens,
-        start,
+        kernel_start,
         win,
         np.float32(sm * _LOG2E),
         kv.kv_heads,
@@ -363,8 +364,9 @@ def decode_attention(
     _run_sliced(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
-    if kv.sink:
-        first, pm, pl, pacc = _with_sink(q, kv, sm * _LOG2E, window, first, pm, pl, pacc)
+    if sink_len is not None:
+        lo = start if window is None else np.maximum(start, seq_lens - int(window))
+        first, pm, pl, pacc = _with_sink(qf, kv, sink_len, lo, sm * _LOG2E, first, pm, pl, pacc)
     nbm.merge(first, kv.kv_heads, pm, pl, pacc, res)
     if direct:
         return out
@@ -374,24 +376,14 @@ def decode_attention(
     return result.to(q.dtype)
 
 
-def _with_sink(q, kv, scale_log2, window, first, pm, pl, pacc):
-    """The kernel's partials with one more per (sequence, kv head): its sink rows, placed after its chunks."""
-    m, lsum, acc = sink_partials(q, kv, scale_log2, window)
-    n_bh = first.shape[0] - 1
-    counts = np.diff(first)
-    shift = np.repeat(np.arange(n_bh), counts)  # item i of (row, head) bh moves to i + bh
-    new_first = (first + np.arange(n_bh + 1)).astype(first.dtype)
-    n = pm.shape[0] + n_bh
-    pm2 = np.empty((n, *pm.shape[1:]), np.float32)
-    pl2 = np.empty((n, *pl.shape[1:]), np.float32)
-    pacc2 = np.empty((n, *pacc.shape[1:]), np.float32)
-    old = np.arange(pm.shape[0]) + shift
-    pm2[old], pl2[old], pacc2[old] = pm, pl, pacc
-    last = new_first[1:] - 1
-    pm2[last] = m.reshape(n_bh, -1).numpy()
-    pl2[last] = lsum.reshape(n_bh, -1).numpy()
-    pacc2[last] = acc.reshape(n_bh, *pacc.shape[1:]).numpy()
-    return new_first, pm2, pl2, pacc2
+def _with_sink(qf, kv, sink_len, lo, scale_log2, first, pm, pl, pacc):
+    """The kernel's partials with one more per (sequence, kv head): its sink rows ``[lo, sink_len)``, placed
+    after its chunks (:mod:`kvpack.kernels.cpu_sink`)."""
+    from kvpack.kernels.cpu_sink import with_sink_partials
+
+    sk, sv = (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
+    bounds = (sink_len.astype(np.int64), lo.astype(np.int64))
+    return with_sink_partials(first, pm, pl, pacc, qf, sk, sv, *bounds, scale_log2)
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -24,7 +24,7 @@ import torch
 
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
-from kvpack.kernels.views import PagedKV, refuse_rotated
+from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = [
@@ -212,21 +212,11 @@ def _check_outliers(kv: PagedKV) -> None:
 
 
 def _check_sink(kv: PagedKV) -> None:
-    """``sink_k`` / ``sink_v``: both or neither, ``[batch, H, S, D]`` in the tail dtype, ``S <= block_size``."""
-    if (kv.sink_k is None) != (kv.sink_v is None):
-        raise ShapeError("sink_k and sink_v must both be given (a format with a sink) or both be None")
-    if kv.sink_k is None:
-        return
-    batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
-    n = kv.sink_k.shape[2] if kv.sink_k.dim() == 4 else -1
+    """The view's sink contract (:func:`~kvpack.kernels.views.check_sink`), and rows contiguous in head_dim."""
+    check_sink(kv)
     for name, t in (("sink_k", kv.sink_k), ("sink_v", kv.sink_v)):
-        if tuple(t.shape) != (batch, h, n, d) or t.stride(-1) != 1 or t.dtype != kv.tail_k.dtype:
-            raise ShapeError(
-                f"{name} must be [{batch}, {h}, S, {d}] {kv.tail_k.dtype} (the tail dtype), contiguous in head_dim, "
-                f"with S the same for both, got {tuple(t.shape)} {t.dtype}"
-            )
-    if n > b:
-        raise ShapeError(f"sink_k holds {n} positions, more than block_size={b}: a sink keeps at most one block")
+        if t is not None and t.stride(-1) != 1:
+            raise ShapeError(f"{name} must be contiguous in head_dim (stride 1), got strides {t.stride()}")
 
 
 def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpack.errors import UnsupportedError
+from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import KVFormat
 
-__all__ = ["PagedKV", "refuse_rotated"]
+__all__ = ["PagedKV", "check_sink", "refuse_rotated"]
 
 
 @dataclass(frozen=True)
@@ -114,4 +114,26 @@ def refuse_rotated(kv: PagedKV) -> None:
             "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
             "the query, instead of the backend directly",
             ["rotated keys need a rotated query"],
+        )
+
+
+def check_sink(kv: PagedKV) -> None:
+    """Raise :class:`ShapeError` unless ``sink_k`` / ``sink_v`` are both ``None`` or both ``[batch, H, S, D]``
+    in the tail dtype with ``0 < S <= block_size``."""
+    if (kv.sink_k is None) != (kv.sink_v is None):
+        raise ShapeError("sink_k and sink_v come together: pass both full-precision sink rows, or both None")
+    if kv.sink_k is None:
+        return
+    n = kv.sink_k.shape[2] if kv.sink_k.dim() == 4 else -1
+    want = (kv.batch, kv.kv_heads, n, kv.head_dim)
+    for name, t in (("sink_k", kv.sink_k), ("sink_v", kv.sink_v)):
+        if tuple(t.shape) != want or n < 1 or t.dtype != kv.tail_k.dtype:
+            raise ShapeError(
+                f"{name} must be [batch={kv.batch}, H={kv.kv_heads}, S, D={kv.head_dim}] in the tail dtype "
+                f"({kv.tail_k.dtype}), S > 0 the same for both, got {tuple(t.shape)} {t.dtype}"
+            )
+    if n > kv.block_size:
+        raise ShapeError(
+            f"sink_k holds {n} positions, more than block_size={kv.block_size}: a sink keeps at most one block "
+            "(S <= block_size)"
         )
