@@ -102,7 +102,14 @@ def test_size_shows_the_sink_bytes():
     assert sink.bytes_per_sequence - plain.bytes_per_sequence == 4 * 2 * 2 * 2 * 64 * 2 == sink.sink_bytes_per_sequence
     assert sink.as_dict()["sink_bytes_per_sequence"] == 4096 and "sink" not in plain.as_dict()
     text = render(p)
-    assert "int4,sink=2 also keeps its first 2 position(s) in fp16, 4,096 bytes per sequence" in text
+    assert "sink: int4,sink=2 also keep each sequence's first 2 positions (the attention sink) in fp16, 4,096 " in text
+    assert "int4,sink=0" not in text.split("sink:")[1]
+    p = plan(m, 1000, 2, [parse_format("int4"), parse_format("int8"), parse_format("fp16")])
+    lines = [ln for ln in render(p).splitlines() if ln.startswith("sink:")]
+    assert lines == [
+        "sink: int4, int8 also keep each sequence's first position (the attention sink) in fp16, "
+        f"{4 * 2 * 2 * 1 * 64 * 2:,} bytes per sequence (all layers; in the cache column)."
+    ]
 
 
 # -- the cache ------------------------------------------------------------------------------------------

@@ -138,12 +138,16 @@ def render(p) -> str:
         f"cache {unit}: sealed blocks plus each sequence's fp16 tail of one block per layer (tail included);",
         "saving: fp16 cache / this cache.",
     ]
+    by_sink: dict[tuple[int, int], list[str]] = {}  # formats with the same sink share one line
     for r in p.rows:
         if r.format.sink:
-            out.append(
-                f"sink: {r.format.name} also keeps its first {r.format.sink} position(s) in fp16, "
-                f"{r.sink_bytes_per_sequence:,} bytes per sequence (all layers; in the cache column)."
-            )
+            by_sink.setdefault((r.format.sink, r.sink_bytes_per_sequence), []).append(r.format.name)
+    for (n, nbytes), names in by_sink.items():
+        what = "position" if n == 1 else f"{n} positions"
+        out.append(
+            f"sink: {', '.join(names)} also keep each sequence's first {what} (the attention sink) in fp16, "
+            f"{nbytes:,} bytes per sequence (all layers; in the cache column)."
+        )
     if p.cache_budget_bytes is not None:
         out.append(
             f"memory: {p.gpu_mem_bytes / GIB:,.2f} GiB GPU - {(p.weights_bytes or 0) / GIB:,.2f} GiB weights = "
