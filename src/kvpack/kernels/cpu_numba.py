@@ -34,8 +34,8 @@ attention weights are rounded to int16 per block (:func:`_w16_values`) and two r
 interleaved word by word, so one ``vpdpwssd`` accumulates 16 channels of both rows. Offset-binary codes
 are centred in the loop (``code - off``), which leaves the per-block constants without the offset. These
 two loops are LLVM IR text (numba has no vector types) linked into the caller; they also prefetch the
-block after next, spread over their own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the
-scores (:func:`_outlier_scores`).
+block after next into L2 and (rows of 128 bytes or more: int8) the next block into L1, spread over their
+own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the scores (:func:`_outlier_scores`).
 
 Packed int4/int2 rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte
 ``j``; the query is permuted into the keys' plane order and the accumulator lives in the values' plane
@@ -614,17 +614,18 @@ _IR_DECL = {
 _IR_PREFETCH = "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)\n"
 
 
-def _ir_prefetch(base: str, off: str, n: str, label: str, then: str) -> list[str]:
-    """Lines that prefetch (into L2) the ``n`` bytes at ``base + off`` one cache line at a time, unless ``base``
-    is null, then branch to ``then``. Spreading the next block's prefetches over the loops that compute this
-    one keeps a steady number of misses in flight (block ids are random: no hardware prefetcher sees them)."""
+def _ir_prefetch(base: str, off: str, n: str, label: str, then: str, loc: int = 2) -> list[str]:
+    """Lines that prefetch the ``n`` bytes at ``base + off`` one cache line at a time (``loc``: LLVM's locality,
+    2 for L2, 3 for L1), unless ``base`` is null, then branch to ``then``. Spreading the next blocks' prefetches
+    over the loops that compute this one keeps a steady number of misses in flight (block ids are random: no
+    hardware prefetcher sees them)."""
     return [f"  %{label}.pfz = icmp eq ptr {base}, null",
             f"  br i1 %{label}.pfz, label %{label}.pf.end, label %{label}.pf",
             f"{label}.pf:",
             f"  %{label}.pfo = phi i64 [0, %{label}], [%{label}.pfo.next, %{label}.pf]",
             f"  %{label}.pfa = add i64 {off}, %{label}.pfo",
             f"  %{label}.pfp = getelementptr i8, ptr {base}, i64 %{label}.pfa",
-            f"  call void @llvm.prefetch.p0(ptr %{label}.pfp, i32 0, i32 2, i32 1)",
+            f"  call void @llvm.prefetch.p0(ptr %{label}.pfp, i32 0, i32 {loc}, i32 1)",
             f"  %{label}.pfo.next = add i64 %{label}.pfo, 64",
             f"  %{label}.pfc = icmp ult i64 %{label}.pfo.next, {n}",
             f"  br i1 %{label}.pfc, label %{label}.pf, label %{label}.pf.end",
@@ -663,7 +664,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
     with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass."""
     per, signed = _INT_KINDS[kind]
     lines = [f"define void @{name}(ptr %k, i64 %rs, i64 %ngrp, ptr %q, i64 %nm, ptr %scl, ptr %sc, i64 %ld, "
-             "i64 %off, ptr %pf) {",
+             "i64 %off, ptr %pf, ptr %pf1) {",
              "entry:",
              "  %scl4 = load <4 x float>, ptr %scl, align 4",
              f"  %sclv = shufflevector <4 x float> %scl4, <4 x float> poison, {_ir_mask([n // 4 for n in range(16)])}",
@@ -678,11 +679,17 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
              "  %row0 = mul i64 %gi, %rs4",
              "  %rp0 = getelementptr i8, ptr %k, i64 %row0"]  # fmt: skip
     lines += [f"  %rp{r} = getelementptr i8, ptr %rp{r - 1}, i64 %rs" for r in range(1, 4)]
-    lines += _ir_prefetch("%pf", "%row0", "%rs4", "grp", "mloop")
-    lines += ["mloop:", "  %mi = phi i64 [0, %grp.pf.end], [%mi.next, %mloop]"]
+    # the block after next into L2; for one code per byte also the next block into L1 (int8 measured faster with it;
+    # packed codes do not emit it, see _near_rows)
+    lines += [*_ir_prefetch("%pf", "%row0", "%rs4", "grp", "grp1"), "grp1:"]
+    if per == 1:
+        lines += _ir_prefetch("%pf1", "%row0", "%rs4", "grp1", "mloop", 3)
+    else:
+        lines += ["  br label %grp1.pf.end", "grp1.pf.end:", "  br label %mloop"]
+    lines += ["mloop:", "  %mi = phi i64 [0, %grp1.pf.end], [%mi.next, %mloop]"]
     last = {}
     for n in range(16):  # accumulator n: head n // 4, row n % 4
-        lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %grp.pf.end], [%a{n}.out, %mloop]")
+        lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %grp1.pf.end], [%a{n}.out, %mloop]")
         last[n] = f"%a{n}.in"
     lines += ["  %boff = mul i64 %mi, 32"]
     for k in range(per):  # q: [4 heads, per, nm, 32] int16, the keys' plane order of each head
@@ -728,7 +735,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     bits = 8 // per
     inter = [i // 2 + (32 if i % 2 else 0) for i in range(32)]  # words 0..15 of x and y, interleaved
     lines = [f"define void @{name}(ptr %v, i64 %rs, i64 %npairs, ptr %w, i64 %wld, ptr %acc, i64 %ld, i64 %dp, "
-             "ptr %winv, i64 %span, i64 %off, ptr %pf) {",
+             "ptr %winv, i64 %span, i64 %off, ptr %pf, ptr %pf1) {",
              "entry:",
              "  %wi4 = load <4 x float>, ptr %winv, align 4",
              "  %rs2 = mul i64 %rs, 2",
@@ -758,6 +765,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     lines += [
         "  %first = icmp eq i64 %ui, 0",
         "  %pfu = select i1 %first, ptr %pf, ptr null",
+        "  %pfu1 = select i1 %first, ptr %pf1, ptr null",
         "  br label %ploop",
         "ploop:",
         "  %pi = phi i64 [0, %unit], [%pi.next, %ploop.body]",
@@ -767,7 +775,11 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
         lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %unit], [%a{n}.out, %ploop.body]")
         last[n] = f"%a{n}.in"
     lines += ["  %pro = mul i64 %pi, %rs2"]
-    lines += _ir_prefetch("%pfu", "%pro", "%rs2", "ploop", "ploop.body")
+    lines += [*_ir_prefetch("%pfu", "%pro", "%rs2", "ploop", "ploop1"), "ploop1:"]
+    if per == 1:  # and the next block into L1 (see _kdot_ir)
+        lines += _ir_prefetch("%pfu1", "%pro", "%rs2", "ploop1", "ploop.body", 3)
+    else:
+        lines += ["  br label %ploop.body"]
     lines += ["ploop.body:"]
     lines += ["  %ro = mul i64 %pi, %rs2", "  %r0p = getelementptr i8, ptr %v, i64 %ro",
               "  %r1p = getelementptr i8, ptr %r0p, i64 %rs", "  %wo = mul i64 %pi, 4",
@@ -860,8 +872,9 @@ def _simd_function(context, role: str, kind: int) -> str:
 
 def _simd_codegen(role: str, kind: int):
     """Codegen calling the generated function: every array argument is followed by an element offset (the
-    two become one pointer), every other argument is an integer (passed as i64). The last pair is the next
-    block's rows to prefetch; offset 0 (the null block) passes a null pointer: nothing to prefetch."""
+    two become one pointer), every other argument is an integer (passed as i64). The last two pairs are rows to
+    prefetch (the block after next into L2, the next block into L1); offset 0 (the null block) passes a null
+    pointer: nothing to prefetch."""
 
     def codegen(context, builder, signature, vals):
         name = _simd_function(context, role, kind)
@@ -873,7 +886,7 @@ def _simd_codegen(role: str, kind: int):
                 off = context.cast(builder, vals[i + 1], signature.args[i + 1], types.int64)
                 nbytes = builder.mul(off, ir.Constant(ir.IntType(64), ty.dtype.bitwidth // 8))
                 ptr = cgutils.pointer_add(builder, ary.data, nbytes, ir.IntType(8).as_pointer())
-                if i == len(vals) - 2:  # the last pair: the next block to prefetch, offset 0 for none
+                if i >= len(vals) - 4:  # the last pairs: the next block to prefetch, offset 0 for none
                     ptr = builder.select(builder.icmp_unsigned("==", off, off.type(0)), ptr.type(None), ptr)
                 out.append(ptr)
                 i += 2
@@ -889,8 +902,8 @@ def _simd_codegen(role: str, kind: int):
 
 def _kdot_intrinsic(kind: int):
     @intrinsic
-    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo):
-        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo)
+    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1):
+        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1)
         return sig, _simd_codegen("k", kind)
 
     return kdot
@@ -898,8 +911,8 @@ def _kdot_intrinsic(kind: int):
 
 def _vdot_intrinsic(kind: int):
     @intrinsic
-    def vdot(typingctx, pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo):
-        sig = types.void(pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo)
+    def vdot(typingctx, pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo, pf1, pfo1):
+        sig = types.void(pay, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pf, pfo, pf1, pfo1)
         return sig, _simd_codegen("v", kind)
 
     return vdot
@@ -910,29 +923,29 @@ _vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2 = (_vdot_intrinsic(kind) for kind in (S8,
 
 
 @njit(**_NOREF)
-def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pfo):
+def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pfo, pfo1):
     """Scores of ``4 * ngrp`` rows for 4 heads with int16 queries (see :func:`_kdot_ir`)."""
     if kind == S8:
-        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == U8:
-        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == U4:
-        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     else:
-        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo)
+        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
 
 
 @njit(**_NOREF)
-def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pfo):
+def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, pfo, pfo1):
     """Weighted sums of ``2 * npairs`` value rows for 4 heads with int16 weights (see :func:`_vdot_ir`)."""
     if kind == S8:
-        _vdot_s8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+        _vdot_s8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     elif kind == U8:
-        _vdot_u8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+        _vdot_u8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     elif kind == U4:
-        _vdot_u4(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+        _vdot_u4(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     else:
-        _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo)
+        _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
@@ -1024,6 +1037,17 @@ def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc,
             r = _half(kout[1][rb + t * no + j])
             for g in range(gn):
                 sc[g, t] += qo[g * no + j] * r
+
+
+@njit(**_NOREF)
+def _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, rs, t):
+    """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
+    prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
+    it measured slower: int4 and int2 at head_dim 128, int8 at 64)."""
+    if tail or j + 1 >= j1 or rs < 128:
+        return U64(0)
+    nxt = np.int64(tables[b, j + 1])
+    return U64(nxt * kv_heads + h) * U64(bs) * rs + U64(t) * rs if nxt else U64(0)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
@@ -1143,10 +1167,11 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             mxb[g] = -np.inf
         if kint:  # rows from t0 rounded down to 4 (they exist: block_size is a multiple of 4), max over [t0, t1)
             ta = t0 - t0 % 4
-            for g0 in range(0, g_n, 4):  # the first pass prefetches the block after next
+            for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
+                kpf1 = _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
-                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf)  # fmt: skip
+                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
@@ -1236,8 +1261,9 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             _w16_values(sc, g_n, t0, t1, ta, tb, sv, vts, ngv, vp[P_DOT], mxb, w16, winv)
             for g0 in range(0, g_n, 4):
                 vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
+                vpf1 = _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, vrs, ta) if g0 == 0 else U64(0)
                 _vdot_int(vp[P_KIND], vpay[0], vbase + U64(ta) * vrs, vrs, (tb - ta) // 2, w16, g0 * ngv * bs,
-                          2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf)  # fmt: skip
+                          2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
         for t in range(t0, t1 if not vint else t0, TILE):
             nt = min(TILE, t1 - t)
             # scales along the row (groups, channels) are applied to the decoded rows
