@@ -1,6 +1,6 @@
 """The fused CPU kernel over caches with full-precision sink positions (``PagedKV.sink_k``).
 
-The expected output is computed here from first principles, independent of how the reference implements
+The expected output is :func:`kvpack.testing.sink_attention_oracle`, independent of how the reference implements
 sinks: the dequantized history with the first ``min(S, n_sealed)`` rows replaced by the sink rows, masked by
 ``start_pos`` and the window, then a float64 softmax. The sink rows differ from the block rows they stand
 for, so a kernel that read the block rows (or skipped the sink) fails.
@@ -15,8 +15,8 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import parse_format
-from kvpack.kernels import cpu, decode_attention, reference
-from kvpack.testing import assert_close, random_paged_kv
+from kvpack.kernels import cpu, decode_attention
+from kvpack.testing import assert_close, random_paged_kv, sink_attention_oracle
 
 pytest.importorskip("numba")
 
@@ -37,26 +37,6 @@ def _with_sink(kv, s: int, seed: int = 1, start_pos=None):
     return dataclasses.replace(kv, sink_k=sk, sink_v=sv, start_pos=start_pos)
 
 
-def _expected(q: torch.Tensor, kv, window: int | None) -> torch.Tensor:
-    plain = dataclasses.replace(kv, sink_k=None, sink_v=None)
-    b, hq, d = q.shape
-    g = hq // kv.kv_heads
-    out = torch.empty(b, hq, d, dtype=torch.float64)
-    for row in range(b):
-        k, v = (t.double() for t in reference.dense_history(plain, row))  # [H, n, D]
-        n = k.shape[1]
-        s = min(kv.sink, n // kv.block_size * kv.block_size)
-        k[:, :s] = kv.sink_k[row, :, :s].double()
-        v[:, :s] = kv.sink_v[row, :, :s].double()
-        lo = 0 if kv.start_pos is None else int(kv.start_pos[row])
-        if window is not None:
-            lo = max(lo, n - window)
-        k, v = k[:, lo:].repeat_interleave(g, 0), v[:, lo:].repeat_interleave(g, 0)
-        w = torch.softmax(torch.einsum("hd,hnd->hn", q[row].double(), k) / d**0.5, -1)
-        out[row] = torch.einsum("hn,hnd->hd", w, v)
-    return out.float()
-
-
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "fp8-o4", "kivi2"])
 @pytest.mark.parametrize("sink", [1, 16])
 def test_sink_rows_replace_their_block_rows(path: str, fmt: str, sink: int) -> None:
@@ -67,7 +47,7 @@ def test_sink_rows_replace_their_block_rows(path: str, fmt: str, sink: int) -> N
     q = torch.randn(len(seq_lens), 8, 64, generator=torch.Generator().manual_seed(5))
     out = torch.full_like(q, float("nan"))
     decode_attention(q, kv, backend="cpu", out=out)
-    assert_close(out, _expected(q, kv, None), *TOL)
+    assert_close(out, sink_attention_oracle(q, kv, None), *TOL)
     # the sink really is read: the same cache without it gives another answer where a block is sealed
     plain = decode_attention(q, dataclasses.replace(kv, sink_k=None, sink_v=None), backend="cpu")
     sealed = torch.tensor([n >= 16 for n in seq_lens])
@@ -82,7 +62,7 @@ def test_sink_with_window_and_left_padding(path: str, window: int | None) -> Non
     kv, _, _ = random_paged_kv(f, seq_lens, kv_heads=3, head_dim=64, seed=7)
     kv = _with_sink(kv, 4, start_pos=torch.tensor([0, 2, 5], dtype=torch.int32))
     q = torch.randn(3, 3, 64, generator=torch.Generator().manual_seed(8))  # GQA 1
-    assert_close(decode_attention(q, kv, backend="cpu", window=window), _expected(q, kv, window), *TOL)
+    assert_close(decode_attention(q, kv, backend="cpu", window=window), sink_attention_oracle(q, kv, window), *TOL)
 
 
 def test_long_sequence_split_into_chunks_keeps_one_sink() -> None:
@@ -91,7 +71,7 @@ def test_long_sequence_split_into_chunks_keeps_one_sink() -> None:
     kv, _, _ = random_paged_kv(f, [64 * 40 + 7], kv_heads=1, head_dim=128, seed=11)
     kv = _with_sink(kv, 2)
     q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(12)) * 2
-    assert_close(decode_attention(q, kv, backend="cpu"), _expected(q, kv, None), *TOL)
+    assert_close(decode_attention(q, kv, backend="cpu"), sink_attention_oracle(q, kv, None), *TOL)
 
 
 def test_bad_sink_rows_are_refused() -> None:

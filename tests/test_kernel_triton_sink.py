@@ -23,7 +23,7 @@ from kvpack.kernels import backend_reasons, reference
 from kvpack.kernels import decode_attention as dispatch_decode
 from kvpack.kernels import triton_decode as td
 from kvpack.kernels.views import PagedKV
-from kvpack.testing import assert_close, random_paged_kv
+from kvpack.testing import assert_close, random_paged_kv, sink_attention_oracle
 from test_kernel_triton import TOL, _guard_all, _guarded
 
 pytest.importorskip("triton")
@@ -62,27 +62,6 @@ def _with_sink(kv: PagedKV, s: int, seed: int) -> PagedKV:
     return replace(kv, **changes)
 
 
-def _expected(q: torch.Tensor, kv: PagedKV, window: int | None) -> torch.Tensor:
-    """``[batch, Hq, D]`` float32: decode attention with the sink rows in place of their block rows."""
-    plain = replace(kv, sink_k=None, sink_v=None)
-    batch, hq, d = q.shape
-    group = hq // kv.kv_heads
-    out = torch.zeros(batch, hq, d, dtype=torch.float64)
-    for row in range(batch):
-        k, v = (t.double() for t in reference.dense_history(plain, row))  # [H, n, D]
-        n = k.shape[1]
-        s = min(kv.sink, n // kv.block_size * kv.block_size)
-        k[:, :s], v[:, :s] = kv.sink_k[row, :, :s].double(), kv.sink_v[row, :, :s].double()
-        lo = 0 if kv.start_pos is None else int(kv.start_pos[row])
-        lo = lo if window is None else max(lo, n - window)
-        if lo >= n:
-            continue  # nothing to attend: zeros
-        k, v = k[:, lo:].repeat_interleave(group, 0), v[:, lo:].repeat_interleave(group, 0)
-        w = torch.softmax(torch.einsum("hd,hnd->hn", q[row].double(), k) / d**0.5, dim=-1)
-        out[row] = torch.einsum("hn,hnd->hd", w, v)
-    return out.float()
-
-
 def _run(
     fmt_name: str,
     seq_lens: list[int],
@@ -104,7 +83,7 @@ def _run(
     q = _guarded(torch.randn(len(seq_lens), 2 * group, 64, generator=g).to(q_dtype))
     out = _guarded(torch.full_like(q, float("nan")))
     got = td.decode_attention(q, kv, window=window, out=out, num_splits=num_splits)
-    expected = _expected(q.float(), kv, window)
+    expected = sink_attention_oracle(q.float(), kv, window)
     msg = f"{fmt_name} {seq_lens} S={sink} window={window} start={start_pos} splits={num_splits}"
     assert_close(got.float(), expected, *TOL[q_dtype], msg=msg)
     base, start = out._base, out.storage_offset()
@@ -149,7 +128,7 @@ def test_a_full_block_sink_never_reads_its_block():
         changes[name] = t
     kv = replace(kv, **changes)
     q = torch.randn(2, 8, 64).half()
-    expected = _expected(q.float(), kv, None)  # block 0's rows, NaN now, are all replaced by the sink rows
+    expected = sink_attention_oracle(q.float(), kv, None)  # block 0's rows, NaN now, are all replaced by the sink rows
     assert expected.isfinite().all()
     for splits in (1, 2):
         assert_close(td.decode_attention(q, kv, num_splits=splits).float(), expected, *TOL[torch.float16])
@@ -187,7 +166,7 @@ def test_dispatcher_runs_the_triton_backend_on_a_sink():
     kv = _with_sink(kv, 2, seed=3)
     q = torch.randn(2, 4, 32)
     assert backend_reasons("triton", q, kv) == []
-    assert_close(dispatch_decode(q, kv, backend="triton"), _expected(q, kv, None), *TOL[torch.float32])
+    assert_close(dispatch_decode(q, kv, backend="triton"), sink_attention_oracle(q, kv, None), *TOL[torch.float32])
 
 
 def test_rotated_keys_with_a_sink_match_the_reference():

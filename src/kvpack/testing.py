@@ -21,6 +21,7 @@ __all__ = [
     "assert_close",
     "random_paged_kv",
     "realistic_keys",
+    "sink_attention_oracle",
     "snr_db",
 ]
 
@@ -238,3 +239,41 @@ def random_paged_kv(
         sink_v=sink_v,
     )
     return kv, keys, values
+
+
+def sink_attention_oracle(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> torch.Tensor:
+    """Decode attention over a view with sink rows, from first principles (float64), for kernel tests.
+
+    The history is :func:`kvpack.kernels.reference.dense_history` of the view *without* its sink, with the
+    first ``min(S, n_sealed)`` positions replaced by the sink rows, masked by ``start_pos`` and the window;
+    independent of how any backend (the reference included) implements sinks.
+
+    Args:
+        q: ``[batch, Hq, D]``, any float dtype.
+        kv: the view (``kv.sink_k`` / ``kv.sink_v`` set).
+        window: the sliding window of the call, ``None`` for none.
+
+    Returns:
+        ``[batch, Hq, D]`` float32; zeros for a row with nothing to attend.
+    """
+    import dataclasses
+
+    from kvpack.kernels import reference
+
+    plain = dataclasses.replace(kv, sink_k=None, sink_v=None)
+    batch, hq, d = q.shape
+    group = hq // kv.kv_heads
+    out = torch.zeros(batch, hq, d, dtype=torch.float64)
+    for row in range(batch):
+        k, v = (t.double() for t in reference.dense_history(plain, row))  # [H, n, D]
+        n = k.shape[1]
+        s = min(kv.sink, n // kv.block_size * kv.block_size)
+        k[:, :s], v[:, :s] = kv.sink_k[row, :, :s].double(), kv.sink_v[row, :, :s].double()
+        lo = 0 if kv.start_pos is None else int(kv.start_pos[row])
+        lo = lo if window is None else max(lo, n - window)
+        if lo >= n:
+            continue
+        k, v = k[:, lo:].repeat_interleave(group, 0), v[:, lo:].repeat_interleave(group, 0)
+        w = torch.softmax(torch.einsum("hd,hnd->hn", q[row].double(), k) / d**0.5, dim=-1)
+        out[row] = torch.einsum("hn,hnd->hd", w, v)
+    return out.float()
