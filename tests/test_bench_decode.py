@@ -41,7 +41,9 @@ def test_cache_bytes_is_the_format_accounting() -> None:
     fmt = PRESETS["int4"].with_block_size(16)
     sealed = 3 * (100 // 16) * fmt.block_bytes(2, 64)
     tail = 3 * 2 * (100 % 16) * 2 * 64 * 4  # K and V tail tokens, float32
-    assert bench.cache_bytes(kv) == sealed + tail
+    sink = 3 * 2 * 1 * 2 * 64 * 4  # the preset's one sink position, read instead of its block row
+    assert fmt.sink == 1 and kv.sink == 1
+    assert bench.cache_bytes(kv) == sealed + tail + sink
 
 
 def test_sweep_rows_have_every_column() -> None:

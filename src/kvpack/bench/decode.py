@@ -149,17 +149,23 @@ def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: 
     tail_k[:, :, :t] = k[:, :, nb * block_size :]
     tail_v[:, :, :t] = v[:, :, nb * block_size :]
     (kd, ks, kz), (vd, vs, vz) = pools
-    return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, torch.full((batch,), n, dtype=torch.int32), tail_k, tail_v)
+    sink = {}
+    if fmt.sink:  # the presets keep each sequence's first positions in full precision, as the cache does
+        sink = {"sink_k": k[:, :, : fmt.sink].contiguous(), "sink_v": v[:, :, : fmt.sink].contiguous()}
+    lens = torch.full((batch,), n, dtype=torch.int32)
+    return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, lens, tail_k, tail_v, **sink)
 
 
 def cache_bytes(kv: PagedKV) -> int:
     """Bytes of the stored cache the sequences of ``kv`` occupy: sealed blocks (payload, scales, zeros)
-    plus the tail tokens, which is what a decode step has to read."""
+    plus the tail tokens and the sink rows read instead of block rows, which is what a decode step reads."""
     fmt, h, d = kv.format, kv.kv_heads, kv.head_dim
     total = 0
     for n in kv.seq_lens.tolist():
         nb, t = divmod(int(n), kv.block_size)
-        total += nb * fmt.block_bytes(h, d) + 2 * t * h * d * kv.tail_k.element_size()
+        total += (
+            nb * fmt.block_bytes(h, d) + 2 * (t + min(kv.sink, nb * kv.block_size)) * h * d * kv.tail_k.element_size()
+        )
     return total
 
 
@@ -182,13 +188,16 @@ def dequant_then_sdpa(q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
     nb, t = divmod(n, bs)
     ids = kv.block_tables[:, :nb].reshape(-1).long()
     dense = []
-    for data, scale, zero, spec, tail in (
-        (kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k),
-        (kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v),
+    s = min(kv.sink, nb * bs)  # sink positions are read from the sink rows, as every backend does
+    for data, scale, zero, spec, tail, sink in (
+        (kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv.tail_k, kv.sink_k),
+        (kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv.tail_v, kv.sink_v),
     ):
         qt = QuantizedTensor(data[ids], None if scale is None else scale[ids], None if zero is None else zero[ids],
                              spec, d)  # fmt: skip
         x = dequantize(qt).view(b, nb, h, bs, d).permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)
+        if s:
+            x[:, :, :s] = sink[:, :, :s].float()
         dense.append(torch.cat([x, tail[:, :, :t].float()], dim=2))
     return _sdpa(q, dense[0], dense[1])
 
