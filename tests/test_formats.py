@@ -322,3 +322,10 @@ def test_spec_validation_in_post_init() -> None:
     with pytest.raises(FormatError):
         PerGroup(-4)
     assert math.isclose(PRESETS["int8"].bytes_per_token(H, D), 134_144 / 64)
+
+
+@pytest.mark.parametrize("text", ["int4,sink=1,sink=2", "int4,block=16,block_size=32", "k=int8,kv=int8,v=int8",
+                                  "k=int8,v=int8,key=int4"])  # fmt: skip
+def test_a_field_given_twice_is_refused(text: str) -> None:
+    with pytest.raises(FormatError, match="given twice"):
+        parse_format(text)

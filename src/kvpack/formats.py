@@ -729,9 +729,16 @@ def parse_format(text: str | KVFormat) -> KVFormat:
     key = value = None
     block: int | None = None
     sink: int | None = None
+    seen: set[str] = set()
     for f in fields:
         name, eq, arg = f.partition("=")
         name = name.strip().lower()
+        if eq:  # a field given twice (k= twice, k= and kv=, block= twice, ...) is a mistake, not an override
+            slot = {"key": "k", "keys": "k", "value": "v", "values": "v", "block_size": "block"}.get(name, name)
+            slots = {"k", "v"} if slot == "kv" else {slot}
+            if slots & seen:
+                raise FormatError(f"{text!r}: {name}= is given twice (or both k=/v= and kv=); give each field once")
+            seen |= slots
         if not eq:
             if base is not None or key is not None:
                 raise FormatError(f"{f!r}: only one preset per format; {_help()}")
