@@ -364,10 +364,11 @@ def decode_attention(
     _run_sliced(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
+    extra = _NO_PARTIALS
     if sink_len is not None:
         lo = start if window is None else np.maximum(start, seq_lens - int(window))
-        first, pm, pl, pacc = _with_sink(qf, kv, sink_len, lo, sm * _LOG2E, first, pm, pl, pacc)
-    nbm.merge(first, kv.kv_heads, pm, pl, pacc, res)
+        extra = _sink_partials(qf, kv, sink_len, lo, sm * _LOG2E)
+    nbm.merge(first, kv.kv_heads, pm, pl, pacc, *extra, res)
     if direct:
         return out
     result = torch.from_numpy(res)
@@ -376,14 +377,16 @@ def decode_attention(
     return result.to(q.dtype)
 
 
-def _with_sink(qf, kv, sink_len, lo, scale_log2, first, pm, pl, pacc):
-    """The kernel's partials with one more per (sequence, kv head): its sink rows ``[lo, sink_len)``, placed
-    after its chunks (:mod:`kvpack.kernels.cpu_sink`)."""
-    from kvpack.kernels.cpu_sink import with_sink_partials
+# merge's extra partial per (sequence, kv head) when there is none: arrays with no rows
+_NO_PARTIALS = (np.empty((0, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 1, 1), np.float32))
+
+
+def _sink_partials(qf, kv, sink_len, lo, scale_log2):
+    """The sink rows ``[lo, sink_len)`` of each (sequence, kv head) as one more partial for the merge."""
+    from kvpack.kernels.cpu_sink import sink_partials
 
     sk, sv = (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
-    bounds = (sink_len.astype(np.int64), lo.astype(np.int64))
-    return with_sink_partials(first, pm, pl, pacc, qf, sk, sv, *bounds, scale_log2)
+    return sink_partials(qf, sk, sv, sink_len.astype(np.int64), lo.astype(np.int64), scale_log2)
 
 
 _pool: ThreadPoolExecutor | None = None

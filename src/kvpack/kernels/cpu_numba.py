@@ -1396,14 +1396,17 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def merge(first, kv_heads, pm, pl, pacc, out):
+def merge(first, kv_heads, pm, pl, pacc, sm, sl, sacc, out):
     """Combine the chunks of each ``(row, head)`` with log-sum-exp into ``out`` ``[batch, Hq, D]`` float32.
 
-    first: ``[batch * kv_heads + 1]`` from :func:`plan`; pm, pl, pacc: the partials from :func:`work`.
+    first: ``[batch * kv_heads + 1]`` from :func:`plan`; pm, pl, pacc: the partials from :func:`work`;
+    sm, sl, sacc: one more partial per ``(row, head)`` (``[batch * kv_heads, G]``, ``[.., G]``, ``[.., G, D]``;
+    the sink rows, :mod:`kvpack.kernels.cpu_sink`), or arrays with no rows when there is none.
     A row with nothing to attend gets zeros.
     """
     g_n = out.shape[1] // kv_heads
     d = out.shape[2]
+    extra = sm.shape[0] > 0
     for bh in range(first.shape[0] - 1):
         b = bh // kv_heads
         h = bh % kv_heads
@@ -1415,6 +1418,8 @@ def merge(first, kv_heads, pm, pl, pacc, out):
             mx = np.float32(-np.inf)
             for it in range(i0, i1):
                 mx = max(mx, pm[it, g])
+            if extra:
+                mx = max(mx, sm[bh, g])
             if mx == -np.inf:
                 continue
             den = _ZERO
@@ -1425,6 +1430,11 @@ def merge(first, kv_heads, pm, pl, pacc, out):
                 den += f * pl[it, g]
                 for i in range(d):
                     o[i] += f * pacc[it, g, i]
+            if extra and sm[bh, g] != -np.inf:
+                f = _exp2(sm[bh, g] - mx)
+                den += f * sl[bh, g]
+                for i in range(d):
+                    o[i] += f * sacc[bh, g, i]
             inv = np.float32(1.0) / den
             for i in range(d):
                 o[i] *= inv
