@@ -163,7 +163,6 @@ class PagedKVCache:
         b = self.block_size
         self._tail_k = torch.zeros(num_layers, max_seqs, kv_heads, b, head_dim, dtype=tail_dtype, device=self.device)
         self._tail_v = torch.zeros_like(self._tail_k)
-        self.sink = self.format.sink
         # [L, slots, H, S, D] in the tail dtype: each sequence's first S positions, or None without a sink
         self._sink_k = self._sink_v = None
         if self.sink:
@@ -282,11 +281,8 @@ class PagedKVCache:
         slot = self._take_slot()
         for block in src.blocks:
             self.pool.incref(block)
-        self._tail_k[:, slot] = self._tail_k[:, src.slot]
-        self._tail_v[:, slot] = self._tail_v[:, src.slot]
-        if self.sink:
-            self._sink_k[:, slot] = self._sink_k[:, src.slot]
-            self._sink_v[:, slot] = self._sink_v[:, src.slot]
+        for t in self._slot_buffers():
+            t[:, slot] = t[:, src.slot]
         self._lens_np[:, slot] = self._lens_np[:, src.slot]
         self._tables_np[slot] = self._tables_np[src.slot]
         seq = _Seq(
@@ -384,11 +380,8 @@ class PagedKVCache:
         dst = torch.from_numpy(rows.slots).to(self.device)
         from_slots = rows.slots[src_idx]
         src_t = torch.from_numpy(from_slots).to(self.device)
-        self._tail_k[:, dst] = self._tail_k[:, src_t]
-        self._tail_v[:, dst] = self._tail_v[:, src_t]
-        if self.sink:
-            self._sink_k[:, dst] = self._sink_k[:, src_t]
-            self._sink_v[:, dst] = self._sink_v[:, src_t]
+        for t in self._slot_buffers():
+            t[:, dst] = t[:, src_t]
         self._lens_np[:, rows.slots] = self._lens_np[:, from_slots]
         self._tables_np[rows.slots] = self._tables_np[from_slots]
         for seq, i in zip(rows.seqs, src_idx):
@@ -571,6 +564,15 @@ class PagedKVCache:
         if len(self._rows_cache) > 256:
             self._rows_cache.clear()
             self._views.clear()
+
+    @property
+    def sink(self) -> int:
+        """Positions at the start of each sequence kept in full precision (``format.sink``; 0 without)."""
+        return self.format.sink
+
+    def _slot_buffers(self) -> list[torch.Tensor]:
+        """The per-sequence buffers ``[L, slots, ...]`` a sequence's slot owns: tails, and sinks when kept."""
+        return [t for t in (self._tail_k, self._tail_v, self._sink_k, self._sink_v) if t is not None]
 
     def _take_slot(self) -> int:
         if not self._free_slots:
