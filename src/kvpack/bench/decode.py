@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvpack.cache import hugepages
 from kvpack.errors import ConfigError
 from kvpack.formats import parse_format
 from kvpack.kernels.views import PagedKV
@@ -139,7 +140,7 @@ def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: 
                 pool.append(None)
                 continue
             src = torch.cat([getattr(q, attr) for q in parts])
-            dst = torch.zeros((total + 1, *src.shape[1:]), dtype=src.dtype)
+            dst = hugepages.zeros((total + 1, *src.shape[1:]), src.dtype)  # as the cache allocates its pools
             if total:
                 dst[ids.long()] = src[:total]
             pool.append(dst)
@@ -206,7 +207,7 @@ def _prepare(p: Provider, case: _Case, cfg: DecodeConfig) -> tuple[Callable[[], 
     if p.kind == "sdpa":
         if p.format not in case.dense:
             dt = torch.float32 if p.format == "fp32" else torch.bfloat16
-            case.dense[p.format] = (case.k.to(dt), case.v.to(dt))
+            case.dense[p.format] = tuple(hugepages.zeros(x.shape, dt).copy_(x) for x in (case.k, case.v))
         k, v = case.dense[p.format]
         q = case.q.to(k.dtype)
         return (lambda: _sdpa(q, k, v)), k.nbytes + v.nbytes

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kvpack.cache import hugepages
 from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.outliers import apply_residual, index_dtype
@@ -35,14 +36,14 @@ def _words(t: torch.Tensor, lead: int = 1) -> torch.Tensor:
 
 
 def _pools(spec: QuantSpec, lead: tuple[int, int], h: int, b: int, d: int, device: torch.device):
-    data = torch.zeros(*lead, h, b, spec.packed_head_dim(d), dtype=payload_torch_dtype(spec), device=device)
+    data = hugepages.zeros((*lead, h, b, spec.packed_head_dim(d)), payload_torch_dtype(spec), device)
     shape = spec.scale_shape(h, b, d)
     if shape is None:
         return data, None, None
-    scale = torch.zeros(*lead, *shape, dtype=scale_torch_dtype(spec.scale_dtype), device=device)
+    scale = hugepages.zeros((*lead, *shape), scale_torch_dtype(spec.scale_dtype), device)
     zero = None
     if spec.has_zero:
-        zero = torch.zeros(*lead, *shape, dtype=scale_torch_dtype(spec.zero_dtype), device=device)
+        zero = hugepages.zeros((*lead, *shape), scale_torch_dtype(spec.zero_dtype), device)
     return data, scale, zero
 
 
@@ -71,8 +72,8 @@ class BlockStorage:
         self.k_outlier = self.k_outlier_idx = None
         k = fmt.key.outliers
         if k:
-            self.k_outlier = torch.zeros(*lead, kv_heads, b, k, dtype=torch.float16, device=device)
-            self.k_outlier_idx = torch.zeros(*lead, kv_heads, k, dtype=index_dtype(head_dim), device=device)
+            self.k_outlier = hugepages.zeros((*lead, kv_heads, b, k), torch.float16, device)
+            self.k_outlier_idx = hugepages.zeros((*lead, kv_heads, k), index_dtype(head_dim), device)
 
     def pools(self) -> dict[str, torch.Tensor]:
         """The existing pools by name (absent scales and zero-points left out)."""
