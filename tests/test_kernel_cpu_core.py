@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,55 @@ def test_fp16_scale_decoding_is_exact_for_every_half():
     for got in (hw, sw, scales):
         assert np.array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
         assert np.isnan(got[np.isnan(want)]).all()
+
+
+def _items(costs: list[int]) -> np.ndarray:
+    """Work items ``[n, 5]`` (b, h, j0, j1, tail) whose block counts are ``costs``."""
+    return np.array([(0, i, 0, c, 0) for i, c in enumerate(costs)], dtype=np.int64)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("n", [2, 7, 40])
+def test_threads_run_every_work_item_exactly_once(threads: int, n: int) -> None:
+    import threading
+
+    done: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def fn(i0: int, i1: int) -> None:
+        with lock:
+            done.append((threading.current_thread().name, i0, i1))
+
+    cpu._run_sliced(fn, _items([40 + 7 * (i % 3) for i in range(n)]), threads, ())
+    covered = sorted(i for _, i0, i1 in done for i in range(i0, i1))
+    assert covered == list(range(n))
+
+
+def test_each_thread_walks_its_own_run_upwards_then_takes_from_the_longest_run() -> None:
+    runs = cpu._Runs(10, 3)  # runs [0, 3), [3, 6), [6, 10)
+    assert [runs.take(0) for _ in range(3)] == [0, 1, 2]
+    assert runs.take(0) == 9  # its own run is done: the last slice of the longest run (thread 2's)
+    assert [runs.take(2) for _ in range(3)] == [6, 7, 8]
+    assert runs.take(2) == 5  # and thread 2 then helps thread 1 from the end
+    assert [runs.take(1) for _ in range(3)] == [3, 4, None]
+    assert runs.take(0) is None
+
+
+def test_an_idle_thread_takes_the_slices_of_a_busy_one() -> None:
+    import threading
+    import time
+
+    done: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+    main = threading.current_thread().name
+
+    def fn(i0: int, i1: int) -> None:
+        if threading.current_thread().name == main:
+            time.sleep(0.05)  # the calling thread's core is busy elsewhere
+        with lock:
+            done.append((threading.current_thread().name, i0, i1))
+
+    cpu._run_sliced(fn, _items([100] * 32), 2, ())
+    assert sorted(i for _, i0, i1 in done for i in range(i0, i1)) == list(range(32))
+    by_main = sum(i1 - i0 for who, i0, i1 in done if who == main)
+    assert by_main < 16 // 2  # its own run was half the items; the other thread took most of it

@@ -11,7 +11,6 @@ int8/int4/int2 codes are multiplied as integers on CPUs with AVX-512 BW (:func:`
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import threading
@@ -45,9 +44,10 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 # Shortest stretch of history one work item handles: below this, splitting costs more than it saves.
 MIN_CHUNK_TOKENS = 512
-# Work items per thread, and slices of them per thread taken dynamically (balance under load).
+# Work items per thread (long sequences are cut into chunks to reach it), and slices of them per thread
+# (see _run_sliced: each thread walks its own run of slices in order; idle threads take from the others).
 _ITEMS_PER_THREAD = 4
-_CHUNKS_PER_THREAD = 4
+_SLICES_PER_THREAD = 8
 # Below this many blocks of work a call stays on the calling thread (a hand-off costs ~20 us).
 _SERIAL_BLOCKS = 64
 # Integer dot products for int8/int4/int2 codes (see cpu_numba._kdot_ir): None = where the CPU has AVX-512 BW,
@@ -393,12 +393,37 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+class _Runs:
+    """Slices ``0 .. slices-1`` split into one contiguous run per thread; :meth:`take` hands out a thread's
+    next slice in order, or once its run is done the last slice of the run with the most left."""
+
+    def __init__(self, slices: int, threads: int) -> None:
+        self.runs = [[slices * t // threads, slices * (t + 1) // threads] for t in range(threads)]  # [next, end)
+        self.lock = threading.Lock()
+
+    def take(self, t: int) -> int | None:
+        with self.lock:
+            run = self.runs[t]
+            if run[0] < run[1]:
+                run[0] += 1
+                return run[0] - 1
+            run = max(self.runs, key=lambda r: r[1] - r[0])
+            if run[0] < run[1]:
+                run[1] -= 1
+                return run[1]
+            return None
+
+
 def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
     """Run ``fn(i0, i1, *args)`` over contiguous slices of ``items``, in parallel.
 
-    The compiled function releases the GIL. The items are cut into about ``_CHUNKS_PER_THREAD`` slices of
-    equal cost per thread, which the threads (the caller's included) take from a shared counter: a core
-    that is busy with something else simply takes fewer slices. Small calls run on the calling thread.
+    The compiled function releases the GIL. The items are cut into ``_SLICES_PER_THREAD`` slices of equal
+    cost per thread, and each thread (the caller's included) owns a contiguous run of them that it walks in
+    order: items come sequence by sequence, kv head by kv head, and a kv head's blocks sit right after the
+    previous head's in every block, so part of the next item is already in the last-level cache when a
+    thread gets to it (measured: int8 at 32k, one thread, heads in order 14.5 ms, in reverse 17.0, every
+    other head 18.5). A thread whose run is done takes the last slice of the run with the most left, so a
+    core that is busy with something else ends up doing less. Small calls run on the calling thread.
     """
     global _pool
     n = items.shape[0]
@@ -406,22 +431,23 @@ def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
     if threads <= 1 or n <= 1 or cost[-1] < _SERIAL_BLOCKS:
         fn(0, n, *args)
         return
-    slices = min(n, threads * _CHUNKS_PER_THREAD)
+    threads = min(threads, n)
+    slices = min(n, threads * _SLICES_PER_THREAD)
     cuts = np.searchsorted(cost, cost[-1] * np.arange(1, slices) / slices, side="right")
     bounds = [0, *sorted({int(c) for c in cuts if 0 < c < n}), n]
+    slices = len(bounds) - 1
+    threads = min(threads, slices)
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:
             _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvpack-cpu")
         pool = _pool
-    counter = itertools.count()  # next() is atomic under the GIL
+    runs = _Runs(slices, threads)
 
-    def worker() -> None:
-        for i in counter:
-            if i >= len(bounds) - 1:
-                return
+    def worker(t: int) -> None:
+        while (i := runs.take(t)) is not None:
             fn(bounds[i], bounds[i + 1], *args)
 
-    futures = [pool.submit(worker) for _ in range(min(threads, len(bounds) - 1) - 1)]
-    worker()
+    futures = [pool.submit(worker, t) for t in range(1, threads)]
+    worker(0)
     for f in futures:
         f.result()
