@@ -99,9 +99,7 @@ def test_prefill_then_decode_stores_what_quantize_gives(fmt, tail_dtype):
             mu = None if kv.key_center is None or total < 16 else kv.key_center[0]
             if mu is not None:  # the mean of the first block's keys after position 0, as the tail held them
                 want_mu = x[:, 1:16].to(tail_dtype).float().mean(1)
-                torch.testing.assert_close(
-                    mu.float(), want_mu, atol=2e-3 if tail_dtype == torch.float16 else 1e-6, rtol=0
-                )
+                torch.testing.assert_close(mu.float(), want_mu, atol=2e-3 if tail_dtype == torch.float16 else 1e-6, rtol=0)
             want_k = expected(fmt, x, tail_dtype, mu)
             want_v = expected(fmt, -x, tail_dtype)
             for name in got:

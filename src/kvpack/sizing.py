@@ -98,11 +98,9 @@ def max_context(fmt: KVFormat, budget: int, kv_heads: int, head_dim: int, layers
     b = fmt.block_size
     if fmt.is_passthrough:
         return max(0, budget // block) * b
-    # per sequence whatever its length: the one-block tail, the sink buffer and the key centre
+    # per sequence whatever its length: the one-block tail and the sink buffer
     tail = layers * (
-        fmt.tail_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
-        + fmt.sink_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
-        + fmt.center_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
+        fmt.tail_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES) + fmt.sink_bytes(kv_heads, head_dim, TAIL_ELEMENT_BYTES)
     )
     if budget < tail:
         return 0
@@ -144,7 +142,6 @@ class FormatRow:
     max_context: int | None = None
     shared_prefix_total_bytes: int | None = None
     sink_bytes_per_sequence: int = 0  # the fp16 sink buffer of a format with sink > 0 (in bytes_per_sequence)
-    center_bytes_per_sequence: int = 0  # the fp16 key centre of a centred key spec (in bytes_per_sequence)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -160,8 +157,6 @@ class FormatRow:
         if self.format.sink:
             d["sink"] = self.format.sink
             d["sink_bytes_per_sequence"] = self.sink_bytes_per_sequence
-        if self.format.key.center:
-            d["center_bytes_per_sequence"] = self.center_bytes_per_sequence
         if self.max_batch is not None:
             d["max_batch"] = self.max_batch
             d["max_context"] = self.max_context
@@ -279,7 +274,6 @@ def plan(
             total_bytes=batch * per_seq,
             ratio_vs_fp16=batch * per_seq / fp16_total,
             sink_bytes_per_sequence=n_layers * fmt.sink_bytes(h, d, TAIL_ELEMENT_BYTES),
-            center_bytes_per_sequence=n_layers * fmt.center_bytes(h, d, TAIL_ELEMENT_BYTES),
         )
         if budget is not None:
             row.max_batch = max_batch(fmt, budget, context, h, d, n_layers)

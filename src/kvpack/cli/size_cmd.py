@@ -148,13 +148,6 @@ def render(p) -> str:
             f"sink: {', '.join(names)} also keep each sequence's first {what} (the attention sink) in fp16, "
             f"{nbytes:,} bytes per sequence (all layers; in the cache column)."
         )
-    centred = [r for r in p.rows if r.format.key.center]
-    if centred:
-        out.append(
-            f"key centre: {', '.join(r.format.name for r in centred)} store keys minus their first block's mean, "
-            f"one fp16 vector per kv head: {centred[0].center_bytes_per_sequence:,} bytes per sequence (all layers; "
-            "in the cache column)."
-        )
     if p.cache_budget_bytes is not None:
         out.append(
             f"memory: {p.gpu_mem_bytes / GIB:,.2f} GiB GPU - {(p.weights_bytes or 0) / GIB:,.2f} GiB weights = "
