@@ -25,21 +25,20 @@ def churned_cache(fmt, num_blocks, seed, **kw):
     return cache
 
 
-def dequantized(spec, x, sink=0, center=None):
-    """What the cache should hold for x [H, n, D]: full blocks through quantize/dequantize (of ``x - center``,
-    plus ``center``, for a centred key spec; ``center`` [H, D] as the cache fixed it), the tail as is, and the
-    attention-sink positions ``p < min(sink, sealed tokens)`` as is (x is representable in the tail dtype)."""
+def dequantized(spec, x, sink=0):
+    """What the cache should hold for x [H, n, D]: full blocks through quantize/dequantize, the tail as is,
+    and the attention-sink positions ``p < min(sink, sealed tokens)`` as is (x is representable in the tail
+    dtype)."""
     nb = x.shape[1] // B
-    mu = torch.zeros(1, x.shape[0], 1, x.shape[2]) if center is None else center.float().view(1, -1, 1, x.shape[2])
     blocks = x[:, : nb * B].reshape(KV_HEADS, nb, B, D).transpose(0, 1)
-    sealed = (dequantize(quantize(blocks - mu, spec)) + mu).transpose(0, 1).reshape(KV_HEADS, nb * B, D)
+    sealed = dequantize(quantize(blocks, spec)).transpose(0, 1).reshape(KV_HEADS, nb * B, D)
     s = min(sink, nb * B)
     sealed[:, :s] = x[:, :s]
     return torch.cat([sealed, x[:, nb * B :]], dim=1)
 
 
-def expected_kv(fmt, k, v, center=None):
-    return dequantized(fmt.key, k, fmt.sink, center), dequantized(fmt.value, v, fmt.sink)
+def expected_kv(fmt, k, v):
+    return dequantized(fmt.key, k, fmt.sink), dequantized(fmt.value, v, fmt.sink)
 
 
 def dense_attention(q, k, v, window=None):
@@ -86,11 +85,9 @@ def test_question_chunk_after_cached_documents(fmt):
     assert table[0, :6].tolist() != sorted(table[0, :6].tolist())  # the gather really is shuffled
     q = torch.randn(len(sids), chunk, HQ, D, generator=g)
     for layer in range(L):
-        view = cache.view(layer, sids)
-        out = paged_attention_reference(q, view)
+        out = paged_attention_reference(q, cache.view(layer, sids))
         for i, n in enumerate(doc_lens):
-            mu = None if view.key_center is None else view.key_center[i]
-            k, v = expected_kv(cache.format, keys[i][layer][:, : n + chunk], vals[i][layer][:, : n + chunk], mu)
+            k, v = expected_kv(cache.format, keys[i][layer][:, : n + chunk], vals[i][layer][:, : n + chunk])
             want = dense_attention(q[i], k, v)
             assert_close(out[i], want, atol=2e-5, rtol=1e-4, msg=f"{fmt} layer {layer} row {i}")
 

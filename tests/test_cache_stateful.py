@@ -69,7 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
                 "int8",
                 "int4",
                 "kivi2",
-                "k=fp8:head,v=fp8:head,sink=1",  # fp8 storage; the preset's centred keys: test_center.py
+                "fp8",
                 "fp8-o4",
                 "fp16",
                 "k=int8:channel:asym:e8m0,v=int4:g8:sym",

@@ -223,15 +223,6 @@ class QuantSpec:
     alike. Scores are unchanged (``q . k = (q @ R) . (k @ R)``): kernels read the stored keys with a rotated
     query. Costs no bytes; not combinable with ``static`` scales or ``outliers`` (both are chosen per
     channel of the unrotated keys).
-
-    ``center=True`` (keys only) stores each sequence's keys minus a fixed vector ``mu`` per layer and kv
-    head: the mean of the keys of its first block (positions ``1 .. block_size-1``, in the stored space),
-    fixed when that block is sealed. Keys carry large per-channel offsets that floating-point codes spend
-    their relative precision on; centred, the codes describe what varies. Every key a kernel reads (sealed
-    blocks, tail, sink) is stored shifted, so each score moves by the same ``q . mu`` and the softmax is
-    unchanged: kernels read the stored keys as they are, and only :func:`kvpack.kernels.reference.dense_history`
-    adds ``mu`` back. Costs ``head_dim`` values of the tail dtype per sequence, layer and kv head (no bits
-    per element); not combinable with ``static`` scales (calibrated on keys as they come).
     """
 
     dtype: DType
@@ -241,7 +232,6 @@ class QuantSpec:
     static: bool = False
     outliers: int = 0
     rotate: bool = False
-    center: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -261,14 +251,7 @@ class QuantSpec:
                 raise FormatError(f"{self.dtype.value} is stored as is and has no scales to calibrate; drop 'static'")
             if self.rotate:
                 raise FormatError(f"{self.dtype.value} is stored as is: a rotation would change nothing; drop 'rot'")
-            if self.center:
-                raise FormatError(f"{self.dtype.value} is stored as is: centring would change nothing; drop 'center'")
             return
-        if self.center and self.static:
-            raise FormatError(
-                "'center' cannot be combined with 'static' scales: they are calibrated on the keys as they come, "
-                "and centred keys span other ranges; pick one"
-            )
         if self.rotate and (self.static or self.outliers):
             raise FormatError(
                 "'rot' cannot be combined with "
@@ -391,8 +374,6 @@ class QuantSpec:
             parts.append(f"o{self.outliers}")
         if self.rotate:
             parts.append("rot")
-        if self.center:
-            parts.append("center")
         return ":".join(parts)
 
 
@@ -429,11 +410,6 @@ class KVFormat:
             raise FormatError(
                 "'rot' rotates keys only (values carry no outlier channels worth spreading, and their per-token "
                 "scales already adapt); move 'rot' to the key spec"
-            )
-        if self.value.center:
-            raise FormatError(
-                "'center' centres keys only (values enter the output linearly, not through a softmax, so a shift "
-                "would not cancel); move 'center' to the key spec"
             )
         if self.value.outliers:
             raise FormatError(
@@ -507,16 +483,11 @@ class KVFormat:
         (0 without a sink)."""
         return 2 * kv_heads * self.sink * head_dim * tail_element_bytes
 
-    def center_bytes(self, kv_heads: int, head_dim: int, tail_element_bytes: int = 2) -> int:
-        """Bytes of one sequence's key centre in one layer (a key spec with ``center``; else 0): one
-        ``head_dim`` vector per kv head in the tail dtype."""
-        return kv_heads * head_dim * tail_element_bytes if self.key.center else 0
-
     def bytes_for_tokens(
         self, tokens: int, kv_heads: int, head_dim: int, layers: int = 1, tail_element_bytes: int = 2
     ) -> int:
-        """Bytes one sequence of ``tokens`` occupies: its sealed blocks plus its one-block tail, its sink
-        buffer and its key centre (all per sequence, counted whatever its length)."""
+        """Bytes one sequence of ``tokens`` occupies: its sealed blocks plus its one-block tail and its sink
+        buffer (both per sequence, counted whatever its length)."""
         if self.is_passthrough:
             return math.ceil(tokens / self.block_size) * self.block_bytes(kv_heads, head_dim) * layers
         sealed = tokens // self.block_size
@@ -524,7 +495,6 @@ class KVFormat:
             sealed * self.block_bytes(kv_heads, head_dim)
             + self.tail_bytes(kv_heads, head_dim, tail_element_bytes)
             + self.sink_bytes(kv_heads, head_dim, tail_element_bytes)
-            + self.center_bytes(kv_heads, head_dim, tail_element_bytes)
         )
 
     def _derived_name(self, base: KVFormat | None, block_size: int, sink: int) -> str:
@@ -572,7 +542,7 @@ class KVFormat:
 def _static_spec(spec: QuantSpec) -> QuantSpec:
     if spec.is_passthrough or spec.rotate or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
         return spec
-    return dataclasses.replace(spec, static=True, center=False)  # calibrated ranges are of the keys as they come
+    return dataclasses.replace(spec, static=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -582,14 +552,9 @@ _FP16 = ScaleDType.FP16
 
 
 def _spec(
-    dtype: DType,
-    gran: Granularity | None = None,
-    sym: bool = True,
-    outliers: int = 0,
-    rotate: bool = False,
-    center: bool = False,
+    dtype: DType, gran: Granularity | None = None, sym: bool = True, outliers: int = 0, rotate: bool = False
 ) -> QuantSpec:
-    return QuantSpec(dtype, gran, sym, _FP16, outliers=outliers, rotate=rotate, center=center)
+    return QuantSpec(dtype, gran, sym, _FP16, outliers=outliers, rotate=rotate)
 
 
 def _same(spec: QuantSpec, name: str) -> KVFormat:
@@ -599,10 +564,7 @@ def _same(spec: QuantSpec, name: str) -> KVFormat:
 PRESETS: dict[str, KVFormat] = {
     "fp16": _same(_spec(DType.FP16), "fp16"),
     "bf16": _same(_spec(DType.BF16), "bf16"),
-    # fp8 (e4m3, one scale per head and block) with centred keys: e4m3's relative precision then goes to
-    # what varies between tokens, not to each channel's constant offset (mean KL 7.8e-3 -> 4.7e-3 on the
-    # embedded model, no bits per element; docs/quality.md). `k=fp8:head,v=fp8:head` is the uncentred one.
-    "fp8": KVFormat(_spec(DType.FP8_E4M3, PerHead(), center=True), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8"),
+    "fp8": _same(_spec(DType.FP8_E4M3, PerHead()), "fp8"),
     "fp8_e5m2": _same(_spec(DType.FP8_E5M2, PerHead()), "fp8_e5m2"),
     # fp8 with the 4 largest key channels per head kept as fp16 residuals (chosen per block at seal time)
     "fp8-o4": KVFormat(
@@ -670,9 +632,8 @@ SYNTAX_HELP = (
     "'k=SPEC,v=SPEC[,block=N][,sink=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
     "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
-    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals, 'rot' "
-    "(keys only) to store keys rotated by a fixed Hadamard matrix, and 'center' (keys only) to store keys minus "
-    "their first block's mean (softmax-invariant; the fp8 preset does). "
+    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals, and 'rot' "
+    "(keys only) to store keys rotated by a fixed Hadamard matrix. "
     "'sink=N' keeps the first N positions of every sequence (the attention sink) also in full precision "
     "(0 <= N <= block; 2 x kv_heads x N x head_dim tail-dtype bytes per sequence and layer). "
     "Append '@static' to a format for calibrated scales wherever a spec can take them ('fp8@static'). "
@@ -689,8 +650,6 @@ def _field_kind(field: str, is_group: bool) -> str | None:
         return "static"
     if field in ("rot", "rotate"):
         return "rotation"
-    if field in ("center", "centre"):
-        return "centring"
     if re.fullmatch(r"o(?:utliers)?[0-9]+", field):
         return "outliers"
     if field in _GRAN_NAMES or is_group:
@@ -717,7 +676,6 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     static = False
     outliers = 0
     rotate = False
-    center = False
     seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
         group = re.fullmatch(r"g(?:roup)?([0-9]+)", p)
@@ -726,7 +684,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
                 "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static, "
-                "o<N> (outlier key channels), rot (rotated keys), center (centred keys)"
+                "o<N> (outlier key channels), rot (rotated keys)"
             )
         if kind in seen:
             raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
@@ -737,10 +695,6 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
             if role != "key":
                 raise FormatError(f"{p!r} in the {role} spec {text!r}: keys only; move it to the k= spec")
             rotate = True
-        elif kind == "centring":
-            if role != "key":
-                raise FormatError(f"{p!r} in the {role} spec {text!r}: keys only; move it to the k= spec")
-            center = True
         elif kind == "outliers":
             if role != "key":
                 raise FormatError(
@@ -760,7 +714,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate, center)
+    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:

@@ -169,12 +169,7 @@ class PagedKVCache:
             shape = (num_layers, max_seqs, kv_heads, self.sink, head_dim)
             self._sink_k = torch.zeros(shape, dtype=tail_dtype, device=self.device)
             self._sink_v = torch.zeros_like(self._sink_k)
-        # [L, slots, H, D] in the tail dtype: each sequence's key centre (a key spec with `center`; zeros until
-        # its first block is sealed in that layer), or None
-        self._kcenter = None
-        if self.format.key.center:
-            self._kcenter = torch.zeros(num_layers, max_seqs, kv_heads, head_dim, dtype=tail_dtype, device=self.device)
-        self.prefix_sinks = PrefixSinks(self.pool)  # sink rows and key centres of registered first blocks
+        self.prefix_sinks = PrefixSinks(self.pool)  # sink rows of registered first blocks (prefix sharing)
         self._lens = torch.zeros(num_layers, max_seqs, dtype=torch.int32)  # host; [L, slots]
         self._lens_np = self._lens.numpy()
         self._tables = torch.zeros(max_seqs, 4, dtype=torch.int32)  # host; [slots, width]
@@ -233,18 +228,14 @@ class PagedKVCache:
                 break
             hits.append((key, block))
             parent = key
-        side = self._first_block_buffers()
-        kept = self.prefix_sinks.get(hits[0][1]) if hits and side else None
-        if hits and side and kept is None:  # no sink rows / key centre kept for that first block: no reuse
+        sink = self.prefix_sinks.get(hits[0][1]) if hits and self.sink else None
+        if hits and self.sink and sink is None:  # no sink rows kept for that first block: nothing to reuse
             hits = []
-        slot = self._take_slot()  # may grow the per-slot buffers: take them again below
+        slot = self._take_slot()
         for _, block in hits:
             self.pool.incref(block)
-        if kept is not None:
-            for t, rows in zip(self._first_block_buffers(), kept):
-                t[:, slot] = rows
-        elif self._kcenter is not None:  # a fresh sequence: keys as they come until its first block seals
-            self._kcenter[:, slot] = 0
+        if sink is not None:
+            self._sink_k[:, slot], self._sink_v[:, slot] = sink
         seq = _Seq(self._next_id, slot, [h[1] for h in hits], tokens, [h[0] for h in hits])
         seq.prefix_len = len(hits) * b
         self._next_id += 1
@@ -442,12 +433,10 @@ class PagedKVCache:
             idx = torch.from_numpy(rows.slots)
             tables, lens = self._tables.index_select(0, idx), self._lens[layer].index_select(0, idx)
             tail_k, tail_v = self._tail_k[layer, rows.slots_t], self._tail_v[layer, rows.slots_t]
-        sink_k = sink_v = key_center = None
-        at = sl if rows.start is not None else rows.slots_t
+        sink_k = sink_v = None
         if self.sink:  # slices or gathered copies, like the tails
+            at = sl if rows.start is not None else rows.slots_t
             sink_k, sink_v = self._sink_k[layer, at], self._sink_v[layer, at]
-        if self._kcenter is not None:
-            key_center = self._kcenter[layer, at]
         st = self.storage
         kv = PagedKV(
             format=self.format,
@@ -467,7 +456,6 @@ class PagedKVCache:
             tail_v=tail_v,
             sink_k=sink_k,
             sink_v=sink_v,
-            key_center=key_center,
         )
         if rows.start is not None and self.device.type == "cpu":  # live slices: valid until the layout changes
             self._views[key] = (self._layout_version, kv)
@@ -584,12 +572,7 @@ class PagedKVCache:
 
     def _slot_buffers(self) -> list[torch.Tensor]:
         """The per-sequence buffers ``[L, slots, ...]`` a sequence's slot owns: tails, and sinks when kept."""
-        return [t for t in (self._tail_k, self._tail_v, self._sink_k, self._sink_v, self._kcenter) if t is not None]
-
-    def _first_block_buffers(self) -> list[torch.Tensor]:
-        """The per-sequence buffers ``[L, slots, ...]`` that belong with a sequence's first block and travel with
-        it through prefix sharing: sink rows, key centre."""
-        return [t for t in (self._sink_k, self._sink_v, self._kcenter) if t is not None]
+        return [t for t in (self._tail_k, self._tail_v, self._sink_k, self._sink_v) if t is not None]
 
     def _take_slot(self) -> int:
         if not self._free_slots:
@@ -609,8 +592,6 @@ class PagedKVCache:
         self._tail_k, self._tail_v = grown(self._tail_k, 1), grown(self._tail_v, 1)
         if self.sink:
             self._sink_k, self._sink_v = grown(self._sink_k, 1), grown(self._sink_v, 1)
-        if self._kcenter is not None:
-            self._kcenter = grown(self._kcenter, 1)
         self._lens = grown(self._lens, 1)
         self._lens_np = self._lens.numpy()
         self._tables = grown(self._tables, 0)
@@ -645,8 +626,6 @@ class PagedKVCache:
                     self._keep_prefix_sink(seq)
 
     def _keep_prefix_sink(self, seq: _Seq) -> None:
-        """After block 0 of ``seq`` is (re-)registered: keep its sink rows and key centre beside it for prefix
-        sharing."""
-        side = self._first_block_buffers()
-        if side and seq.blocks and seq.keys:
-            self.prefix_sinks.keep(seq.blocks[0], seq.keys[0], *(t[:, seq.slot] for t in side))
+        """After block 0 of ``seq`` is (re-)registered: keep its sink rows beside it for prefix sharing."""
+        if self.sink and seq.blocks and seq.keys:
+            self.prefix_sinks.keep(seq.blocks[0], seq.keys[0], self._sink_k[:, seq.slot], self._sink_v[:, seq.slot])

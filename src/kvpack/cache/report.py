@@ -29,11 +29,9 @@ class LayerMemory:
         outlier_bytes: outlier key channels of blocks in use (fp16 residuals and channel indices).
         tail_bytes: full-precision tails of live sequences.
         sink_bytes: full-precision sink buffers of live sequences (a format with ``sink > 0``).
-        center_bytes: key centres of live sequences (a key spec with ``center``).
         cached_bytes: unreferenced blocks kept for prefix reuse (evictable: available to allocations), plus
-            the sink rows and key centres kept beside registered first blocks for prefix reuse.
-        unused_bytes: allocated but holding nothing: free blocks, the null block, empty tail, sink and centre
-            slots.
+            the sink rows kept beside registered first blocks for prefix reuse (a format with a sink).
+        unused_bytes: allocated but holding nothing: free blocks, the null block, empty tail and sink slots.
         shared_bytes: saved by sharing: ``(references - 1) x block bytes`` summed over blocks in use.
         host_bytes: blocks offloaded to the host tier (not on the device).
         live_tokens: tokens held by live sequences (positions released by a sliding window excluded).
@@ -45,7 +43,6 @@ class LayerMemory:
     outlier_bytes: int = 0
     tail_bytes: int = 0
     sink_bytes: int = 0
-    center_bytes: int = 0
     cached_bytes: int = 0
     unused_bytes: int = 0
     shared_bytes: int = 0
@@ -55,15 +52,8 @@ class LayerMemory:
 
     @property
     def used_bytes(self) -> int:
-        """Device bytes holding live data: payload, scales, outlier channels, tails, sinks and key centres."""
-        return (
-            self.payload_bytes
-            + self.scale_bytes
-            + self.outlier_bytes
-            + self.tail_bytes
-            + self.sink_bytes
-            + self.center_bytes
-        )
+        """Device bytes holding live data: payload, scales, outlier channels, tails and sink buffers."""
+        return self.payload_bytes + self.scale_bytes + self.outlier_bytes + self.tail_bytes + self.sink_bytes
 
     @property
     def allocated_bytes(self) -> int:
@@ -123,11 +113,6 @@ class MemoryReport:
                 f"sinks {t.sink_bytes:,} bytes ({t.sink_bytes * mib:.4f} MiB, in used): each sequence's first "
                 "positions kept in full precision (KVFormat.sink_bytes per sequence and layer)"
             )
-        if t.center_bytes:
-            lines.append(
-                f"key centres {t.center_bytes:,} bytes ({t.center_bytes * mib:.4f} MiB, in used): one head_dim vector "
-                "per sequence and kv head, stored keys are centred on it (KVFormat.center_bytes)"
-            )
         if self.clipped is not None:
             c = self.clipped
             lines.append(
@@ -154,8 +139,7 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
     host_blocks = cache.host.num_blocks()
     host_per_layer = host_blocks * block
     sink_slot = 2 * h * cache.sink * d * elem
-    center_slot = cache.format.center_bytes(h, d, elem)
-    prefix_sinks = cache.prefix_sinks.nbytes() // cache.num_layers if cache._first_block_buffers() else 0
+    prefix_sinks = cache.prefix_sinks.nbytes() // cache.num_layers if cache.sink else 0
     layers = []
     for layer in range(cache.num_layers):
         live = theory = 0
@@ -170,9 +154,8 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
                 outlier_bytes=used * outlier,
                 tail_bytes=nseq * tail_slot,
                 sink_bytes=nseq * sink_slot,
-                center_bytes=nseq * center_slot,
                 cached_bytes=cached * block + prefix_sinks,
-                unused_bytes=(free + 1) * block + (slots - nseq) * (tail_slot + sink_slot + center_slot),
+                unused_bytes=(free + 1) * block + (slots - nseq) * (tail_slot + sink_slot),
                 shared_bytes=shared_refs * block,
                 host_bytes=host_per_layer,
                 live_tokens=live,

@@ -231,9 +231,6 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
     r = n_old % b
     s = (r + t_new) // b
     sealing = np.nonzero(s)[0]
-    first, mu_first = np.empty(0, np.int64), ()  # rows whose key centre this append fixes, their centres
-    if cache._kcenter is not None:
-        kc, first, mu_first = _center_keys(cache, layer, rows, kc, r, s)
     releases = _window_releases(cache, rows, n_old) if layer == 0 and cache.release_window is not None else []
     pool = cache.pool
 
@@ -253,9 +250,6 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
                 )
         tail_k, tail_v = cache._tail_k[layer], cache._tail_v[layer]
         blocks_k = _gather_blocks(tail_k, kc, slots, r, sealing, pair_row, pair_j)
-        for i, mu in zip(first.tolist(), mu_first):  # their old tail tokens were stored as they came: centre them
-            p, ri = int(np.searchsorted(sealing, i)), int(r[i])
-            blocks_k[p, :, :ri] = (blocks_k[p, :, :ri].float() - mu.float()[:, None]).to(blocks_k.dtype)
         blocks_v = _gather_blocks(tail_v, vc, slots, r, sealing, pair_row, pair_j)
         args = (layer, rows, n_old, pair_row, pair_j, b)
         kq, clipped_k, k_outlier = _quantize(cache, blocks_k, cache.format.key, "key", *args)
@@ -280,8 +274,6 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
                 tables[seq.slot, lb] = seq.blocks[lb]
             ids.append(seq.blocks[lb])
         cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq, k_outlier)
-    if first.size:
-        _commit_centers(cache, layer, rows, first, mu_first, n_old)
     _write_tails(cache, layer, rows, kc, vc, r, s)
     if cache.sink and (n_old < cache.sink).any():
         _write_sink(cache, layer, rows, kc, vc, n_old)
@@ -292,52 +284,6 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
         fmt = cache.format
         sealed = blocks_k.numel() * fmt.key.static + blocks_v.numel() * fmt.value.static
         cache.clip_monitor.record(layer, clipped_k + clipped_v, sealed)
-
-
-def _center_keys(cache: PagedKVCache, layer: int, rows: _Rows, kc: torch.Tensor, r: np.ndarray, s: np.ndarray):
-    """Appended keys ``kc`` ``[batch, H, T, D]`` (tail dtype) minus their rows' key centres, computed in float32.
-
-    A row that seals its first block in this append and has no centre yet gets one: the mean of that
-    block's keys at positions ``1 .. B-1`` (position 0, the attention sink, carries outsized keys), as stored
-    (rotated for a rotating spec), rounded to the tail dtype. Non-finite means become 0 there, so the seal
-    still reports the offending position. Nothing is written here.
-
-    Returns ``(shifted kc, rows given a centre [n], their centres [n, H, D] in the tail dtype)``.
-    """
-    b = cache.block_size
-    dev = kc.device
-    mu = cache._kcenter[layer].index_select(0, torch.from_numpy(rows.slots).to(dev))  # [batch, H, D], a copy
-    cand = np.nonzero((r + kc.shape[2] >= b) & (s > 0) & (cache._lens_np[layer, rows.slots] < b))[0]
-    first = np.empty(0, np.int64)
-    mu_first = ()
-    if cand.size:
-        unset = (mu[torch.from_numpy(cand).to(dev)] == 0).flatten(1).all(1).cpu().numpy()
-        first = cand[unset]
-    if first.size:
-        tail = cache._tail_k[layer]
-        blocks = [
-            torch.cat([tail[int(rows.slots[i]), :, : int(r[i])], kc[i, :, : b - int(r[i])]], dim=1) for i in first
-        ]
-        blk = torch.stack(blocks).float()  # [n, H, B, D]: each row's first block, keys as they came
-        m = blk[:, :, 1:].mean(dim=2) if b > 1 else blk[:, :, 0]
-        mu_first = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0).to(cache.tail_dtype)
-        mu[torch.from_numpy(first).to(dev)] = mu_first
-    shifted = (kc.float() - mu.float().unsqueeze(2)).to(kc.dtype)
-    return shifted, first, mu_first
-
-
-def _commit_centers(cache: PagedKVCache, layer: int, rows: _Rows, first: np.ndarray, mu_first, n_old) -> None:
-    """Store the new key centres; sink rows appended before them (stored as they came) are centred too."""
-    dev = mu_first.device
-    cache._kcenter[layer][torch.from_numpy(rows.slots[first]).to(dev)] = mu_first
-    if not cache.sink:
-        return
-    sink_k = cache._sink_k[layer]
-    for i, mu in zip(first.tolist(), mu_first):
-        n = min(cache.sink, int(n_old[i]))
-        if n:
-            slot = int(rows.slots[i])
-            sink_k[slot, :, :n] = (sink_k[slot, :, :n].float() - mu.float()[:, None]).to(sink_k.dtype)
 
 
 def _write_sink(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, n_old: np.ndarray) -> None:

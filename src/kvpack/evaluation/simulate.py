@@ -32,13 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["SimulatedCache", "roundtrip_blocks"]
 
 
-def roundtrip_blocks(
-    x: torch.Tensor,
-    spec,
-    block_size: int,
-    scales: LayerScales | None = None,
-    center: torch.Tensor | None = None,
-) -> torch.Tensor:
+def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales | None = None) -> torch.Tensor:
     """Quantize and dequantize whole blocks of ``x``.
 
     Args:
@@ -46,8 +40,6 @@ def roundtrip_blocks(
         spec: the :class:`kvpack.formats.QuantSpec` of the blocks.
         block_size: tokens per block.
         scales: the layer's calibrated scales when ``spec`` is static (required then).
-        center: ``[batch, kv_heads, head_dim]`` key centre in the stored (rotated) space for a spec with
-            ``center``: the blocks quantized are ``x - center`` and ``center`` is added back.
 
     Returns:
         The reconstructed ``[batch, kv_heads, n * block_size, head_dim]`` in ``x.dtype``.
@@ -59,10 +51,6 @@ def roundtrip_blocks(
     r = key_rotation(d, x.device) if spec.rotate else None
     if r is not None:  # the cache stores k @ R; the model reads the unrotated reconstruction
         flat = rotate(flat.float(), r)
-    mu = None
-    if center is not None:  # [batch, H, D] -> one row per block of flat [batch * n, H, 1, D]
-        mu = center.to(flat.dtype).repeat_interleave(n, dim=0).unsqueeze(2)
-        flat = (flat - mu).to(flat.dtype)
     if spec.static and scales is None:
         raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
     if spec.outliers:  # the cache's own seal; channels chosen per block, as without a calibration artifact
@@ -72,23 +60,10 @@ def roundtrip_blocks(
         rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
     else:
         rec = dequantize(quantize(flat, spec), torch.float32)
-    if mu is not None:
-        rec = rec + mu.float()
     if r is not None:
         rec = unrotate(rec, r)
     rec = rec.reshape(b, n, h, block_size, d)
     return rec.permute(0, 2, 1, 3, 4).reshape(b, h, t, d).to(x.dtype)
-
-
-def key_center(first_block: torch.Tensor, spec) -> torch.Tensor:
-    """The key centre kvpack's cache fixes when a sequence's first block seals: ``[batch, H, B, D]`` keys of
-    that block -> ``[batch, H, D]``, the mean of positions ``1 .. B-1`` in the stored (rotated) space, in the
-    keys' dtype."""
-    x = first_block.float()
-    if spec.rotate:
-        x = rotate(x, key_rotation(x.shape[-1], x.device))
-    m = x[:, :, 1:].mean(dim=2) if x.shape[2] > 1 else x[:, :, 0]
-    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0).to(first_block.dtype)
 
 
 def sink_keys(k: torch.Tensor, spec) -> torch.Tensor:
@@ -119,7 +94,6 @@ def _layer_class():
             self.key_scales = key_scales
             self.value_scales = value_scales
             self.sealed = 0  # tokens already replaced by their reconstruction
-            self.center = None  # [batch, H, D] key centre, fixed when the first block seals (spec.center)
 
         def update(self, key_states, value_states, *args, **kwargs):
             keys, values = super().update(key_states, value_states, *args, **kwargs)
@@ -129,9 +103,7 @@ def _layer_class():
             full = keys.shape[-2] // b * b
             if full > self.sealed:
                 s = slice(self.sealed, full)
-                if self.fmt.key.center and self.center is None:
-                    self.center = key_center(keys[..., :b, :], self.fmt.key)
-                k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b, self.key_scales, self.center)
+                k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b, self.key_scales)
                 if self.zero_keys:  # the planted broken format of the tests
                     k_rec = torch.zeros_like(k_rec)
                 v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b, self.value_scales)

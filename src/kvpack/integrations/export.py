@@ -96,11 +96,6 @@ def vllm_reasons_unsupported(format: str | KVFormat) -> list[str]:
             f"keys are {fmt.key.dtype.value} and values {fmt.value.dtype.value}: vLLM's kv_cache_dtype is one "
             "dtype for both"
         )
-    if fmt.key.center:  # kvpack's own storage choice; vLLM quantizes the keys as they come
-        reasons.append(
-            "keys: kvpack stores keys centred on their first block's mean ('center'); vLLM stores them as they "
-            "come (the exported scales are of those keys)"
-        )
     if fmt.sink:  # orthogonal to the scales: the export ignores it
         reasons.append(
             f"sink={fmt.sink}: vLLM has no full-precision sink positions; the first {fmt.sink} position(s) are "

@@ -25,7 +25,6 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`); keys
     stored rotated (``kv.key_rotation``) come back unrotated. With a sink (``kv.sink_k``), positions
     ``p < min(S, sealed tokens)`` are the sink rows instead of their block rows (exactly what kernels read).
-    Keys stored centred (``kv.key_center``) get their centre added back.
     """
     n = int(kv.seq_lens[row])
     b = kv.block_size
@@ -53,9 +52,6 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         if s and int(ids[0]):  # sink positions of a block the window released stay zero like the rest of it
             x = torch.cat([sink[row, :, :s].float(), x[:, s:]], dim=1)
         out.append(torch.cat([x, tail_x[row, :, :tail].float()], dim=1))
-    if kv.key_center is not None:  # stored keys are k - mu (in the stored space): add mu back, not to released zeros
-        kept = torch.cat([(ids != 0).repeat_interleave(b), torch.ones(tail, dtype=torch.bool, device=ids.device)])
-        out[0] = out[0] + kept.view(1, -1, 1).to(out[0].device) * kv.key_center[row].float().unsqueeze(1)
     if kv.key_rotation is not None:  # stored keys are k @ R: back to natural keys (released zeros stay zero)
         out[0] = out[0] @ kv.key_rotation.T.float()
     return out[0], out[1]

@@ -63,11 +63,6 @@ class PagedKV:
             the tail come from the tail as always. Window and ``start_pos`` masks apply to them by position.
             ``None`` when the format has no sink.
         sink_v: ``[batch, H, S, D]``, same dtype as ``tail_v``; ``None`` exactly when ``sink_k`` is.
-        key_center: ``[batch, H, D]``, same dtype as ``tail_k``, for a key spec with ``center``: every stored key
-            of the row (sealed blocks, tail, sink; in the stored, i.e. rotated, space) is the key minus this
-            vector. Scores all move by ``q . mu``, which the softmax cancels, so kernels ignore it;
-            :func:`~kvpack.kernels.reference.dense_history` adds it back. ``None`` (or zeros) when keys are
-            stored as they come.
     """
 
     format: KVFormat
@@ -88,7 +83,6 @@ class PagedKV:
     key_rotation: torch.Tensor | None = None
     sink_k: torch.Tensor | None = None
     sink_v: torch.Tensor | None = None
-    key_center: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
