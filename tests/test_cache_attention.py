@@ -63,7 +63,7 @@ def fill(cache, sids, xs_k, xs_v, start, stop):
         cache.append(layer, sids, k, v)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "k4v2", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "k4v2", "fp8-plain"])
 def test_question_chunk_after_cached_documents(fmt):
     g = torch.Generator().manual_seed(0)
     doc_lens = [100, 37, 64]

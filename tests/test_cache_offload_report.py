@@ -27,7 +27,7 @@ def contents(cache, sid):
     return [cache.dense(layer, sid) for layer in range(L)]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "kivi2", "fp8", "fp8-o4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "kivi2", "fp8-plain", "fp8-o4"])
 def test_offload_moves_exclusive_blocks_quantized_and_restores_bit_identical(fmt):
     cache = make(fmt)
     a = cache.add_sequence()
@@ -102,7 +102,9 @@ def test_free_an_offloaded_sequence_drops_its_host_copy():
 # -- memory report ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "k4v2", "fp8", "fp8-o4", "k=int4:g16:asym:e8m0,v=int8:token:bf16"])
+@pytest.mark.parametrize(
+    "fmt", ["int8", "int4", "k4v2", "fp8-plain", "fp8-o4", "k=int4:g16:asym:e8m0,v=int8:token:bf16"]
+)
 @pytest.mark.parametrize("tail_dtype", [torch.float32, torch.bfloat16])
 def test_actual_usage_matches_the_formula(fmt, tail_dtype):
     cache = make(fmt, num_blocks=24, tail_dtype=tail_dtype)

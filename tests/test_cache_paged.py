@@ -65,7 +65,7 @@ def expected(fmt, x, tail_dtype):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "kivi2", "fp16", "k=int4:g8:sym:e8m0,v=fp8_e5m2:token"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8-plain", "kivi2", "fp16", "k=int4:g8:sym:e8m0,v=fp8_e5m2:token"])
 @pytest.mark.parametrize("tail_dtype", [torch.float32, torch.float16])
 def test_prefill_then_decode_stores_what_quantize_gives(fmt, tail_dtype):
     fmt = parse_format(fmt).with_block_size(16)

@@ -69,7 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
                 "int8",
                 "int4",
                 "kivi2",
-                "fp8",
+                "fp8-plain",
                 "fp8-o4",
                 "fp16",
                 "k=int8:channel:asym:e8m0,v=int4:g8:sym",

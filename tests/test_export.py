@@ -133,7 +133,7 @@ def test_reasons_name_what_engines_cannot_run():
     assert "per-channel" in r
     r = " ".join(vllm_reasons_unsupported("k8v4"))
     assert "one dtype for both" in r and "zero-point" in r
-    assert "per block" in " ".join(vllm_reasons_unsupported("fp8"))
+    assert "per block" in " ".join(vllm_reasons_unsupported("fp8-plain"))
     assert "without scales" in " ".join(vllm_reasons_unsupported("fp8_e5m2"))
 
 

@@ -33,11 +33,11 @@ H, D, B = 8, 128, 64  # kv_heads, head_dim, block_size of the reference table
 EXPECTED_BITS = {
     "fp16": Fraction(16),
     "bf16": Fraction(16),
-    "fp8": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # one fp16 scale per head per block, K and V
+    "fp8-plain": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # one fp16 scale per head per block, K and V
     "fp8_e5m2": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),
     # + 4 key channels per head kept: fp16 residuals per token (4 x 16 bits) and a uint8 index each per block
     "fp8-o4": Fraction(8) + Fraction(2 * H * 2 * 8 + H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),
-    "fp8-rot": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # the rotation is a function of head_dim
+    "fp8": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # the rotation is a function of head_dim
     "int8": Fraction(8.1875),
     "int4": Fraction(4.75),
     "int4-o4": Fraction(4.75) + Fraction(H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),  # int4 + 4 fp16 residuals
@@ -58,7 +58,7 @@ def test_bits_per_element(name: str) -> None:
 
 
 def test_fp8_bits_value() -> None:
-    assert PRESETS["fp8"].bits_per_element(H, D) == pytest.approx(8.001953125, abs=0)
+    assert PRESETS["fp8-plain"].bits_per_element(H, D) == pytest.approx(8.001953125, abs=0)
 
 
 def test_int4_g32_is_exactly_five_bits() -> None:
@@ -81,7 +81,7 @@ def test_block_bytes_counted_by_hand() -> None:
     # kivi2: 2-bit keys per channel (scale + zero), 2-bit values in groups of 32 (scale + zero)
     assert PRESETS["kivi2"].block_bytes(H, D) == (8 * 64 * 32 + 8 * 128 * 4) + (8 * 64 * 32 + 8 * 64 * 4 * 4)
     # fp8: payload plus one fp16 scale per head, for K and V
-    assert PRESETS["fp8"].block_bytes(H, D) == 2 * (8 * 64 * 128 + 8 * 2)
+    assert PRESETS["fp8-plain"].block_bytes(H, D) == 2 * (8 * 64 * 128 + 8 * 2)
     f = PRESETS["int8"]
     assert f.payload_bytes(H, D) + f.scale_bytes(H, D) == f.block_bytes(H, D)
 

@@ -76,7 +76,7 @@ def _check(kv, q, *, window=None, sm_scale=None, tol=None):
 PRESET_CASES = [
     ("fp16", 16, 1, 64),
     ("bf16", 32, 4, 128),
-    ("fp8", 64, 8, 64),
+    ("fp8-plain", 64, 8, 64),
     ("fp8_e5m2", 16, 3, 128),
     ("int8", 16, 4, 64),
     ("int8", 64, 1, 256),
@@ -187,7 +187,7 @@ def test_long_sequence_is_split_and_merged(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_sm_scale_and_fresh_output() -> None:
-    kv, _, _ = random_paged_kv(PRESETS["fp8"].with_block_size(32), [45, 64], kv_heads=1, head_dim=128, seed=9)
+    kv, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(32), [45, 64], kv_heads=1, head_dim=128, seed=9)
     q = torch.randn(2, 2, 128)
     _check(kv, q, sm_scale=0.3)
     fresh = cpu.decode_attention(q, kv)  # no out buffer: a new tensor in q.dtype
@@ -269,7 +269,7 @@ def test_kind_tables_match_the_compiled_module() -> None:
 
 def test_int_path_is_chosen_for_int_codes_only(monkeypatch: pytest.MonkeyPatch) -> None:
     kv8, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [40], kv_heads=1, head_dim=64)
-    kvf, _, _ = random_paged_kv(PRESETS["fp8"].with_block_size(16), [40], kv_heads=1, head_dim=64)
+    kvf, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     monkeypatch.setattr(cpu, "INT_DOT", True)
     assert _int_path(kv8) and not _int_path(kvf)
     odd, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(18), [40], kv_heads=1, head_dim=64)

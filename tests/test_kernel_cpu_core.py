@@ -47,7 +47,7 @@ def test_every_preset_matches_reference(name, block):
 
 @pytest.mark.parametrize(
     ("name", "group", "head_dim"),
-    [("int8", 1, 128), ("int4", 3, 64), ("kivi2", 4, 256), ("fp8", 8, 128), ("k8v4", 4, 128)],
+    [("int8", 1, 128), ("int4", 3, 64), ("kivi2", 4, 256), ("fp8-plain", 8, 128), ("k8v4", 4, 128)],
 )
 def test_gqa_ratios_and_head_dims(name, group, head_dim):
     kv_heads = 2

@@ -37,7 +37,7 @@ def _with_sink(kv, s: int, seed: int = 1, start_pos=None):
     return dataclasses.replace(kv, sink_k=sk, sink_v=sv, start_pos=start_pos)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "fp8-o4", "kivi2"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8-plain", "fp8-o4", "kivi2"])
 @pytest.mark.parametrize("sink", [1, 16])
 def test_sink_rows_replace_their_block_rows(path: str, fmt: str, sink: int) -> None:
     f = parse_format(fmt).with_block_size(16)

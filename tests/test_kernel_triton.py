@@ -99,13 +99,13 @@ def _run(
 
 @pytest.mark.parametrize(
     "name",
-    ["fp16", "bf16", "int8", "fp8", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32", "fp8-o4", "int4-o4"],
+    ["fp16", "bf16", "int8", "fp8-plain", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32", "fp8-o4", "int4-o4"],
 )
 def test_presets_match_reference(name):
     _run(name, [1, 15, 17, 50], num_splits=None)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "fp8", "int4-o4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi2", "fp8-plain", "int4-o4"])
 def test_split_context_merges_exactly(name):
     _run(name, [1, 15, 17, 83], num_splits=3)
 
@@ -236,7 +236,7 @@ from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 from kvpack.testing import random_paged_kv
 from kvpack.kernels import triton_decode as td, triton_seal as ts
 out = []
-cases = [("int8", torch.float16), ("int4", torch.bfloat16), ("kivi2", torch.float16), ("fp8", torch.float16)]
+cases = [("int8", torch.float16), ("int4", torch.bfloat16), ("kivi2", torch.float16), ("fp8-plain", torch.float16)]
 sinks = [("int4", torch.float16, 1), ("fp8-o4", torch.bfloat16, 64)]  # full-precision sink rows: S = 1, S = B
 for name, qdt, sink in [(n, t, 0) for n, t in cases] + [("fp8-o4", torch.float16, 0)] + sinks:
     fmt = parse_format(name)
@@ -248,7 +248,7 @@ for name, qdt, sink in [(n, t, 0) for n, t in cases] + [("fp8-o4", torch.float16
     q = torch.randn(2, 32, 128, dtype=qdt)
     for launch in td.plan(q, kv, num_splits=2)[0]:
         out.append({"case": name, **td.compile_launch(launch)})
-for name in ("int4", "fp8"):
+for name in ("int4", "fp8-plain"):
     spec = parse_format(name).value
     x = torch.randn(4, 8, 64, 128, dtype=torch.float16)
     data = torch.empty(9, 8, 64, spec.packed_head_dim(128), dtype=payload_torch_dtype(spec))

@@ -106,7 +106,7 @@ def test_sink_rows_replace_their_block_rows(sink):
     _run("int4", [15, 16, 17, 50], sink)
 
 
-@pytest.mark.parametrize(("name", "sink"), [("fp8", 3), ("fp8-o4", 1), ("fp8-o4", 16), ("kivi2", 2), ("int8", 4)])
+@pytest.mark.parametrize(("name", "sink"), [("fp8-plain", 3), ("fp8-o4", 1), ("fp8-o4", 16), ("kivi2", 2), ("int8", 4)])
 def test_formats_with_a_sink(name, sink):
     _run(name, [16, 40, 9], sink, num_splits=2)
 
@@ -118,7 +118,7 @@ def test_split_context_attends_the_sink_once(sink):
 
 def test_a_full_block_sink_never_reads_its_block():
     # S = B: block 0 is all sink, so the kernel skips it; NaN in its payload and scales would show otherwise
-    kv, _, _ = random_paged_kv(parse_format("fp8,block=16"), [40, 16], head_dim=64, tail_dtype=torch.float16)
+    kv, _, _ = random_paged_kv(parse_format("fp8-plain,block=16"), [40, 16], head_dim=64, tail_dtype=torch.float16)
     kv = _with_sink(kv, 16, seed=4)
     first = kv.block_tables[:, 0].long()
     changes = {}
@@ -171,7 +171,7 @@ def test_dispatcher_runs_the_triton_backend_on_a_sink():
 
 def test_rotated_keys_with_a_sink_match_the_reference():
     # sink keys are stored rotated like the tail; the dispatcher rotates the query for the kernel
-    fmt = parse_format("fp8-rot,block=16,sink=3")
+    fmt = parse_format("fp8,block=16,sink=3")
     kv, _, _ = random_paged_kv(fmt, [40, 7, 16], head_dim=64, tail_dtype=torch.float32, seed=5)
     assert kv.sink == 3 and kv.key_rotation is not None
     q = torch.randn(3, 4, 64)

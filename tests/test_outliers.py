@@ -171,7 +171,7 @@ def test_random_paged_kv_and_reference_apply_the_residuals(sink):
     assert kv.sink == sink
     assert kv.k_outlier.dtype == torch.float16 and kv.k_outlier_idx.dtype == torch.uint8
     assert torch.isnan(kv.k_outlier[0]).all() and (kv.k_outlier_idx[0] == 0xFF).all()  # the null block: poisoned
-    plain_fmt = parse_format(f"fp8,block={B}").with_sink(sink)
+    plain_fmt = parse_format(f"fp8-plain,block={B}").with_sink(sink)
     plain, _, _ = random_paged_kv(plain_fmt, lens, kv_heads=H, head_dim=D, seed=3)
     blocks_only = kernels.PagedKV(**{**kv.__dict__, "sink_k": None, "sink_v": None})  # a reader ignoring the sink
     for row, n in enumerate(lens):
@@ -219,7 +219,7 @@ def test_dispatcher_names_the_outlier_reason(monkeypatch):
         assert any(kernels.OUTLIER_REASON in str(x.message) for x in w)
         assert torch.equal(got, expected)
     # the same cache without outliers never gets the reason
-    plain, _, _ = random_paged_kv(parse_format(f"fp8,block={B}"), [40, 7], kv_heads=H, head_dim=D)
+    plain, _, _ = random_paged_kv(parse_format(f"fp8-plain,block={B}"), [40, 7], kv_heads=H, head_dim=D)
     assert kernels.OUTLIER_REASON not in kernels.backend_reasons("cpu", q, plain)
 
 
@@ -353,7 +353,7 @@ def test_calibrated_channels_are_copied_into_every_block():
     with pytest.raises(CalibrationError, match="another model"):
         PagedKVCache(FMT, L + 1, H, D, 8, calibration=art)
     with pytest.raises(CalibrationError, match="ignored"):  # a format with neither static nor outliers
-        PagedKVCache(parse_format(f"fp8,block={B}"), L, H, D, 8, calibration=art)
+        PagedKVCache(parse_format(f"fp8-plain,block={B}"), L, H, D, 8, calibration=art)
 
 
 def test_static_scales_and_outliers_together():
@@ -443,7 +443,7 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
     assert cache.paged.storage.k_outlier is not None
     assert_close(got, expected, atol=1e-5, rtol=1e-5)  # measured 3e-7: the same values, another kernel
     # the residuals matter at this tolerance: plain fp8 lands far outside it (measured 2.5e-3)
-    assert (simulated(parse_format(f"fp8,block={B}")) - expected).abs().max() > 1e-4
+    assert (simulated(parse_format(f"fp8-plain,block={B}")) - expected).abs().max() > 1e-4
     outlier_warnings = [x for x in w if kernels.OUTLIER_REASON in str(x.message)]
     if getattr(cpu, "SUPPORTS_OUTLIERS", False):
         assert cache.decode_backends.get("cpu", 0) > 0 and not outlier_warnings

@@ -19,14 +19,14 @@ from kvpack.testing import assert_close, random_paged_kv, realistic_keys
 
 
 def test_preset_syntax_and_rules():
-    fmt = parse_format("fp8-rot")
+    fmt = parse_format("fp8")
     assert fmt.key.rotate and not fmt.value.rotate
-    assert parse_format(fmt.spec_string()).name == "fp8-rot"
+    assert parse_format(fmt.spec_string()).name == "fp8"
     assert parse_format("k=fp8:head:rot,v=fp8:head,sink=1") == fmt  # the preset keeps sink=1
     assert parse_format("k=fp8:head:rot,v=fp8:head") == fmt.with_sink(0)
     # rotation costs no bytes
     kw = {"kv_heads": 8, "head_dim": 128}
-    assert fmt.block_bytes(**kw) == parse_format("fp8").block_bytes(**kw)
+    assert fmt.block_bytes(**kw) == parse_format("fp8-plain").block_bytes(**kw)
     for text, needle in [
         ("k=fp8:head,v=fp8:head:rot", "keys only"),
         ("k=fp8:head:rot:static,v=fp8:head", "'static'"),
@@ -38,9 +38,9 @@ def test_preset_syntax_and_rules():
             parse_format(text)
     with pytest.raises(FormatError, match="power-of-two head_dim"):
         fmt.check(96)
-    # '@static' leaves rotated keys alone (their ranges would be of rotated keys) and makes values static
-    st = parse_format("fp8-rot@static")
-    assert st.key == fmt.key and st.value.static
+    # '@static' makes both plain and static: calibrated ranges are of keys as they come (what engines store)
+    st = parse_format("fp8@static")
+    assert st == parse_format("fp8-plain@static") and not st.key.rotate and st.key.static and st.value.static
 
 
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
@@ -78,7 +78,7 @@ def test_rotated_fp8_keys_give_more_accurate_scores():
     idx = torch.randperm(64, generator=g)[:4]
     k[..., idx] = k[..., idx] * 12 + 6
     q[..., idx] *= 4
-    plain, rotated = _scores_error("fp8", q, k), _scores_error("fp8-rot", q, k)
+    plain, rotated = _scores_error("fp8-plain", q, k), _scores_error("fp8", q, k)
     assert rotated < 0.5 * plain, (plain, rotated)  # measured: 0.026 -> 0.010
 
 
@@ -93,7 +93,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_backends_read_rotated_keys(backend):
     # without a sink (the data the bound below was measured on): every sealed row is a dequantized fp8 row
-    fmt = parse_format("fp8-rot,block=16,sink=0")
+    fmt = parse_format("fp8,block=16,sink=0")
     kv, keys, values = random_paged_kv(fmt, [1, 15, 17, 50], kv_heads=2, head_dim=64, seed=5)
     assert kv.key_rotation is not None and kv.sink_k is None
     q = torch.randn(4, 8, 64, dtype=torch.float16 if backend == "triton" else torch.float32)
@@ -106,7 +106,7 @@ def test_backends_read_rotated_keys(backend):
     _check_backend(backend, q, kv, expected)
     # the preset's default sink=1: position 0 of a sequence with a sealed block is the exact (rotated) sink row,
     # read back natural; the other sealed rows are what a reader ignoring the sink reads (checked above)
-    fmt = parse_format("fp8-rot,block=16")
+    fmt = parse_format("fp8,block=16")
     assert fmt.sink == 1
     kv, keys, values = random_paged_kv(fmt, [1, 15, 17, 50], kv_heads=2, head_dim=64, seed=5)
     assert kv.key_rotation is not None and kv.sink == 1
@@ -149,7 +149,7 @@ def test_cache_stores_rotated_keys_and_gives_back_natural_ones():
     g = torch.Generator().manual_seed(1)
     k = realistic_keys(2, 150, 64, generator=g).unsqueeze(0)
     v = torch.randn(1, 2, 150, 64, generator=g)
-    cache = PagedKVCache("fp8-rot", num_layers=1, kv_heads=2, head_dim=64, num_blocks=16)
+    cache = PagedKVCache("fp8", num_layers=1, kv_heads=2, head_dim=64, num_blocks=16)
     sid = cache.add_sequence()
     cache.append(0, [sid], k[:, :, :100], v[:, :, :100])  # a prefill chunk, then decode steps
     for t in range(100, 150):
@@ -162,7 +162,7 @@ def test_cache_stores_rotated_keys_and_gives_back_natural_ones():
     assert_close(dv[:, 128:], v[0, :, 128:], 0, 0)  # values are never rotated
     assert_close(dk[:, 128:], k[0, :, 128:], 1e-5, 1e-5)  # natural keys back, the tail exactly
     # sealed blocks: the simulate engine's reconstruction (quantize k @ R, dequantize, @ R.T)
-    sim = roundtrip_blocks(k[:, :, :128], parse_format("fp8-rot").key, 64)[0]
+    sim = roundtrip_blocks(k[:, :, :128], parse_format("fp8").key, 64)[0]
     # except position 0, the preset's sink=1: kept exactly (stored rotated like the tail, read back natural)
     assert cache.sink == 1
     sim[:, :1] = k[0, :, :1]
@@ -176,7 +176,7 @@ def test_cache_stores_rotated_keys_and_gives_back_natural_ones():
 
 
 def test_chunk_attention_reads_natural_keys():
-    fmt = parse_format("fp8-rot,block=16")
+    fmt = parse_format("fp8,block=16")
     kv, _, _ = random_paged_kv(fmt, [40, 77], kv_heads=2, head_dim=64, seed=2)
     q = torch.randn(2, 5, 8, 64)
     with warnings.catch_warnings():

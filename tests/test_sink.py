@@ -174,7 +174,7 @@ def test_sink_rows_exact_after_appends_across_blocks(fmt_text):
 
 
 def test_rotated_keys_sink_is_stored_rotated_and_read_natural():
-    fmt = parse_format("fp8-rot,block=8,sink=2")
+    fmt = parse_format("fp8,block=8,sink=2")
     cache = PagedKVCache(fmt, 1, H, D, 8)
     s = cache.add_sequence()
     k, v = _keys(12, 1)
@@ -366,7 +366,7 @@ def test_reference_chunked_prefill_reads_the_sink(window):
         assert_bitexact(out[0, -1], no_sink[0, -1])
 
 
-@pytest.mark.parametrize("fmt_text", ["int8", "int4-o4", "fp8-rot", "kivi2"])
+@pytest.mark.parametrize("fmt_text", ["int8", "int4-o4", "fp8", "kivi2"])
 def test_random_paged_kv_sink_with_window_and_start_pos(fmt_text):
     fmt = PRESETS[fmt_text].with_block_size(16)
     lens = [3, 16, 40, 70]  # no sealed block, exactly one, several

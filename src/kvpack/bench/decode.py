@@ -38,6 +38,7 @@ from kvpack.errors import ConfigError
 from kvpack.formats import parse_format
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import QuantizedTensor, dequantize, quantize
+from kvpack.rotation import key_rotation, rotate
 
 __all__ = ["BASELINES", "DecodeConfig", "Provider", "default_providers", "format_table", "run_sweep"]
 
@@ -119,9 +120,13 @@ def _make_case(cfg: DecodeConfig, n: int) -> _Case:
 
 def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int = 0) -> PagedKV:
     """A :class:`PagedKV` holding ``k``/``v`` ``[batch, H, n, D]`` (float32), blocks quantized in batched
-    calls and scattered to shuffled block ids; the last ``n % block_size`` tokens form the tail."""
+    calls and scattered to shuffled block ids; the last ``n % block_size`` tokens form the tail. Keys of a
+    rotating spec (the ``fp8`` preset) are stored rotated, as the cache stores them."""
     fmt = parse_format(fmt_name).with_block_size(block_size)
     batch, h, n, d = k.shape
+    rot = key_rotation(d) if fmt.key.rotate else None
+    if rot is not None:
+        k = rotate(k, rot)
     nb, t = divmod(n, block_size)
     total = batch * nb
     ids = torch.randperm(max(total, 1), generator=torch.Generator().manual_seed(seed))[:total] + 1
@@ -154,7 +159,7 @@ def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: 
     if fmt.sink:  # the presets keep each sequence's first positions in full precision, as the cache does
         sink = {"sink_k": k[:, :, : fmt.sink].contiguous(), "sink_v": v[:, :, : fmt.sink].contiguous()}
     lens = torch.full((batch,), n, dtype=torch.int32)
-    return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, lens, tail_k, tail_v, **sink)
+    return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, lens, tail_k, tail_v, key_rotation=rot, **sink)
 
 
 def cache_bytes(kv: PagedKV) -> int:
@@ -200,6 +205,8 @@ def dequant_then_sdpa(q: torch.Tensor, kv: PagedKV) -> torch.Tensor:
         if s:
             x[:, :, :s] = sink[:, :, :s].float()
         dense.append(torch.cat([x, tail[:, :, :t].float()], dim=2))
+    if kv.key_rotation is not None:  # stored keys are k @ R: unrotate them, as QuantizedCache has no rotation
+        dense[0] = dense[0] @ kv.key_rotation.T
     return _sdpa(q, dense[0], dense[1])
 
 
