@@ -36,8 +36,7 @@ def test_preset_syntax_and_rules():
     ]:
         with pytest.raises(FormatError, match=needle):
             parse_format(text)
-    with pytest.raises(FormatError, match="power-of-two head_dim"):
-        fmt.check(96)
+    fmt.check(96)  # head_dims that are not powers of two rotate block by block (below)
     # '@static' makes both plain and static: calibrated ranges are of keys as they come (what engines store)
     st = parse_format("fp8@static")
     assert st == parse_format("fp8-plain@static") and not st.key.rotate and st.key.static and st.value.static
@@ -53,7 +52,21 @@ def test_rotation_is_a_fixed_signed_hadamard(d):
     x = torch.randn(3, d, dtype=torch.float64)
     assert_close(unrotate(rotate(x, r), r), x, 1e-5, 0)  # float32 arithmetic
     with pytest.raises(ShapeError):
-        key_rotation(80)
+        key_rotation(0)
+
+
+@pytest.mark.parametrize(("d", "blocks"), [(96, [64, 32]), (80, [64, 16]), (112, [64, 32, 16])])
+def test_other_head_dims_rotate_by_hadamard_blocks(d, blocks):
+    r = key_rotation(d)
+    assert_close(r @ r.T, torch.eye(d), 1e-6, 0)
+    lo = 0
+    for n in blocks:  # each block a signed Hadamard of its size, nothing outside the blocks
+        blk = r[lo : lo + n, lo : lo + n]
+        assert torch.equal(blk.abs(), torch.full((n, n), 1 / math.sqrt(n)))
+        assert not r[lo : lo + n, :lo].any() and not r[lo : lo + n, lo + n :].any()
+        lo += n
+    q, k = torch.randn(4, d), torch.randn(7, d)
+    assert_close(rotate(q, r) @ rotate(k, r).T, q @ k.T, 1e-4, 1e-5)  # scores unchanged
 
 
 def test_rotation_spreads_outlier_channels():
@@ -183,3 +196,19 @@ def test_chunk_attention_reads_natural_keys():
         warnings.simplefilter("ignore")
         expected = reference.paged_attention_reference(q, kv)
     assert_close(chunk_attention(q, kv), expected, 2e-5, 1e-4)
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_the_fp8_preset_serves_head_dims_that_are_not_powers_of_two(d):
+    g = torch.Generator().manual_seed(3)
+    k = realistic_keys(2, 140, d, generator=g).unsqueeze(0)
+    v = torch.randn(1, 2, 140, d, generator=g)
+    cache = PagedKVCache("fp8", num_layers=1, kv_heads=2, head_dim=d, num_blocks=16)
+    sid = cache.add_sequence()
+    cache.append(0, [sid], k, v)
+    view = cache.view(0, [sid])
+    dk, _ = cache.dense(0, sid)
+    assert (dk - k[0]).abs().max() < 0.1 * k.abs().max()  # natural keys back, within e4m3's error
+    q = torch.randn(1, 4, d, generator=g)
+    expected = decode_attention(q, view, backend="reference")
+    assert_close(decode_attention(q, view, backend="cpu"), expected, 2e-5, 1e-4)

@@ -218,7 +218,7 @@ class QuantSpec:
     or a calibration artifact's top-k per layer and head (copied into each block). ``0 < k < head_dim``.
 
     ``rotate=True`` (keys only) stores keys multiplied by a fixed orthogonal matrix ``R`` (a random-sign
-    Hadamard, :func:`kvpack.rotation.key_rotation`; head_dim a power of two): ``k @ R`` spreads a few
+    Hadamard, :func:`kvpack.rotation.key_rotation`; block-diagonal where head_dim is not a power of two): ``k @ R`` spreads a few
     outlier channels over all of them, so per-head scales and fp8's relative error treat every channel
     alike. Scores are unchanged (``q . k = (q @ R) . (k @ R)``): kernels read the stored keys with a rotated
     query. Costs no bytes; not combinable with ``static`` scales or ``outliers`` (both are chosen per
@@ -352,8 +352,6 @@ class QuantSpec:
         else:
             if self.granularity is not None:
                 reasons += self.granularity.reasons_invalid(head_dim)
-            if self.rotate and head_dim & (head_dim - 1):
-                reasons.append(f"'rot' (a Hadamard rotation) needs a power-of-two head_dim, got {head_dim}")
             if self.outliers and self.outliers >= head_dim:
                 reasons.append(
                     f"{self.outliers} outlier channels leave nothing to quantize at head_dim {head_dim}; "
