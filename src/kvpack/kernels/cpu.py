@@ -431,7 +431,6 @@ def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
     if threads <= 1 or n <= 1 or cost[-1] < _SERIAL_BLOCKS:
         fn(0, n, *args)
         return
-    threads = min(threads, n)
     slices = min(n, threads * _SLICES_PER_THREAD)
     cuts = np.searchsorted(cost, cost[-1] * np.arange(1, slices) / slices, side="right")
     bounds = [0, *sorted({int(c) for c in cuts if 0 < c < n}), n]
