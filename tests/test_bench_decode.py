@@ -62,8 +62,53 @@ def test_sweep_rows_have_every_column() -> None:
             assert r[f"speedup_vs_{base}"] == pytest.approx(base_ms / r["median_ms"])
     fp32 = rows[0]
     assert fp32["cache_bytes"] == 2 * 2 * 2 * 70 * 64 * 4
+    for r in rows:  # kernel rows carry their cache's block-read ceiling, the others none
+        assert ("block_read_ms" in r) == (r["kind"] == "kvpack") and r["block_order"] == "shuffled"
+        if r["kind"] == "kvpack":
+            assert r["block_read_ms"] > 0 and r["block_read_gbps"] > 0
+            assert r["pct_block_read"] == pytest.approx(100 * r["block_read_ms"] / r["median_ms"])
     table = bench.format_table(rows, bw)
     assert "kvpack-kivi2" in table and "vs sdpa-bf16" in table and "context 70 tokens" in table
+    assert "% ceil" in table and "shuffled block ids" in table
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("order", ["shuffled", "ascending"])
+def test_block_read_probe_reads_every_line_the_kernel_reads(name: str, order: str) -> None:
+    """The probe's XOR per work item is the XOR of the first word of every 64-byte line of that item's key and
+    value rows: it reads exactly the kernel's blocks (released ones skipped), nothing else."""
+    import numpy as np
+
+    from kvpack.bench.blockread import BlockRead
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(3, 2, 700, 128, generator=g), torch.randn(3, 2, 700, 128, generator=g)
+    kv = bench.build_paged_kv(name, k, v, 16, seed=2, block_order=order)
+    ids = kv.block_tables[:, :43]
+    if order == "ascending":
+        assert torch.equal(ids.reshape(-1), torch.arange(1, 3 * 43 + 1, dtype=torch.int32))
+    else:
+        assert ids.unique().numel() == 3 * 43 and not torch.equal(ids.reshape(-1).sort().values, ids.reshape(-1))
+    kv.block_tables[1, 5] = 0  # a released block is never read
+    probe = BlockRead(kv, threads=2)
+    got = probe.run().copy()
+    words = [t.contiguous().view(torch.uint8).reshape(t.shape[0], 2, -1).numpy().view(np.uint64)[:, :, ::8]
+             for t in (kv.k_data, kv.v_data)]  # fmt: skip
+    assert len(probe.items) > 1
+    for i, (b, h, j0, j1, _) in enumerate(probe.items):
+        blk = kv.block_tables[b, j0:j1].numpy()
+        blk = blk[blk > 0]
+        want = np.bitwise_xor.reduce(np.concatenate([w[blk, h].ravel() for w in words]))
+        assert int(got[i]) == int(want), (i, b, h, j0, j1)
+    row_bytes = kv.k_data.shape[-1] + kv.v_data.shape[-1]
+    assert probe.nbytes == int(sum(j1 - j0 for _, _, j0, j1, _ in probe.items)) * 16 * row_bytes
+
+
+def test_block_order_is_validated() -> None:
+    with pytest.raises(ConfigError, match="block_order"):
+        bench.DecodeConfig(block_order="random")
+    with pytest.raises(ConfigError, match="block_order"):
+        bench.build_paged_kv("int8", torch.randn(1, 1, 20, 64), torch.randn(1, 1, 20, 64), 16, block_order="x")
 
 
 def test_config_is_validated() -> None:
@@ -84,7 +129,7 @@ def test_cli_writes_json(tmp_path, capsys) -> None:
     path = tmp_path / "rows.json"
     argv = ["bench", "decode", "--contexts", "40", "--formats", "int8", "--dequant-formats", "", "--batch", "1",
             "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64", "--block-size", "16", "--repeats", "1",
-            "--membw-mb", "8", "--json", str(path)]  # fmt: skip
+            "--membw-mb", "8", "--block-order", "ascending", "--json", str(path)]  # fmt: skip
     assert main(argv) == 0
     assert "kvpack-int8" in capsys.readouterr().out
     data = json.loads(path.read_text())
@@ -92,6 +137,7 @@ def test_cli_writes_json(tmp_path, capsys) -> None:
     for key in ("provider", "format", "context", "median_ms", "gbps", "memory_bandwidth_gbps"):
         assert key in row
     assert row["provider"] == "kvpack-int8" and row["format"] == "int8" and row["context"] == 40
+    assert row["block_order"] == "ascending" and row["block_read_ms"] > 0
 
 
 def test_cli_bad_arguments_exit_2(capsys) -> None:

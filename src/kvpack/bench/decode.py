@@ -15,10 +15,14 @@ Per row: median milliseconds, GB/s of cache bytes read (the stored cache of that
 K/V for SDPA, packed payload + scales + tail for the others), that rate as a share of the memory read
 bandwidth measured in the same process (:mod:`kvpack.bench.membw`), the speed ratio against every
 baseline, and the extra peak memory of one call (peak RSS above the RSS before it, from Linux's
-``VmHWM``; ``None`` where the OS cannot tell).
+``VmHWM``; ``None`` where the OS cannot tell). Kernel rows also get the block-read ceiling of their cache
+(:mod:`kvpack.bench.blockread`: the same blocks read in the kernel's order with its prefetching and no
+arithmetic, measured right after the kernel) and the kernel's speed as a share of it.
 
 Caches are built fast: keys and values are random (keys with persistent outlier channels), quantized in
-large batched calls over whole blocks, scattered into pools with shuffled block ids.
+large batched calls over whole blocks, scattered into pools with shuffled block ids (``block_order
+"shuffled"``: a long-running server's fragmented pool) or ascending ids per sequence (``"ascending"``: a
+fresh pool, each prompt prefilled in one go, as :class:`kvpack.cache.PagedKVCache` then allocates).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kvpack.rotation import key_rotation, rotate
 __all__ = ["BASELINES", "DecodeConfig", "Provider", "default_providers", "format_table", "run_sweep"]
 
 BASELINES = ("sdpa-fp32", "sdpa-bf16")
+BLOCK_ORDERS = ("shuffled", "ascending")
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,11 @@ class DecodeConfig:
     threads: int | None = None
     seed: int = 0
     membw_bytes: int = 512 * 2**20  # the bandwidth probe's buffer: keep it far above the last-level cache
+    block_order: str = "shuffled"  # block ids of the paged caches: "shuffled" or "ascending" (see the module doc)
 
     def __post_init__(self) -> None:
+        if self.block_order not in BLOCK_ORDERS:
+            raise ConfigError(f"block_order must be one of {', '.join(BLOCK_ORDERS)}, got {self.block_order!r}")
         if self.q_heads % self.kv_heads:
             raise ConfigError(f"q_heads {self.q_heads} must be a multiple of kv_heads {self.kv_heads}")
         if min(self.contexts, default=0) < 1 or self.batch < 1 or self.repeats < 1:
@@ -118,10 +126,15 @@ def _make_case(cfg: DecodeConfig, n: int) -> _Case:
     return _Case(n, q, k, v)
 
 
-def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int = 0) -> PagedKV:
+def build_paged_kv(
+    fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int = 0, block_order: str = "shuffled"
+) -> PagedKV:
     """A :class:`PagedKV` holding ``k``/``v`` ``[batch, H, n, D]`` (float32), blocks quantized in batched
-    calls and scattered to shuffled block ids; the last ``n % block_size`` tokens form the tail. Keys of a
-    rotating spec (the ``fp8`` preset) are stored rotated, as the cache stores them."""
+    calls and scattered to shuffled block ids (``block_order="ascending"``: ids 1, 2, 3, ... sequence after
+    sequence); the last ``n % block_size`` tokens form the tail. Keys of a rotating spec (the ``fp8``
+    preset) are stored rotated, as the cache stores them."""
+    if block_order not in BLOCK_ORDERS:
+        raise ConfigError(f"block_order must be one of {', '.join(BLOCK_ORDERS)}, got {block_order!r}")
     fmt = parse_format(fmt_name).with_block_size(block_size)
     batch, h, n, d = k.shape
     rot = key_rotation(d) if fmt.key.rotate else None
@@ -129,7 +142,10 @@ def build_paged_kv(fmt_name: str, k: torch.Tensor, v: torch.Tensor, block_size: 
         k = rotate(k, rot)
     nb, t = divmod(n, block_size)
     total = batch * nb
-    ids = torch.randperm(max(total, 1), generator=torch.Generator().manual_seed(seed))[:total] + 1
+    if block_order == "ascending":
+        ids = torch.arange(1, total + 1)
+    else:
+        ids = torch.randperm(max(total, 1), generator=torch.Generator().manual_seed(seed))[:total] + 1
     tables = torch.zeros(batch, nb + 1, dtype=torch.int32)
     tables[:, :nb] = ids.view(batch, nb).to(torch.int32)
     pools = []
@@ -219,7 +235,7 @@ def _prepare(p: Provider, case: _Case, cfg: DecodeConfig) -> tuple[Callable[[], 
         q = case.q.to(k.dtype)
         return (lambda: _sdpa(q, k, v)), k.nbytes + v.nbytes
     if p.format not in case.paged:
-        case.paged[p.format] = build_paged_kv(p.format, case.k, case.v, cfg.block_size, cfg.seed)
+        case.paged[p.format] = build_paged_kv(p.format, case.k, case.v, cfg.block_size, cfg.seed, cfg.block_order)
     kv = case.paged[p.format]
     if p.kind == "dequant-sdpa":
         return (lambda: dequant_then_sdpa(case.q, kv)), cache_bytes(kv)
@@ -263,6 +279,15 @@ def _time(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     return times
 
 
+def _block_read(kv: PagedKV, repeats: int, warmup: int) -> tuple[float, float] | None:
+    """The block-read ceiling of ``kv`` (median seconds, GB/s), or None where the probe cannot run (no numba)."""
+    try:
+        from kvpack.bench.blockread import measure_block_read
+    except ImportError:  # pragma: no cover - numba is part of the cpu extra
+        return None
+    return measure_block_read(kv, repeats, warmup)
+
+
 def run_sweep(
     cfg: DecodeConfig,
     providers: Sequence[Provider] | None = None,
@@ -294,12 +319,17 @@ def run_sweep(
                     fn()
                     scratch = probe[1]()
                 med = statistics.median(times)
+                ceiling = _block_read(case.paged[p.format], reps, cfg.warmup) if p.kind == "kvpack" else None
                 rows.append({"provider": p.name, "kind": p.kind, "format": p.format, "context": n,
                              "batch": cfg.batch, "q_heads": cfg.q_heads, "kv_heads": cfg.kv_heads,
                              "head_dim": cfg.head_dim, "block_size": cfg.block_size,
                              "threads": torch.get_num_threads(), "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
                              "repeats": reps, "cache_bytes": nbytes, "gbps": nbytes / med / 1e9,
-                             "scratch_bytes": scratch, "baseline": p.baseline})  # fmt: skip
+                             "scratch_bytes": scratch, "baseline": p.baseline,
+                             "block_order": cfg.block_order})  # fmt: skip
+                if ceiling is not None:
+                    rows[-1].update(block_read_ms=ceiling[0] * 1e3, block_read_gbps=ceiling[1],
+                                    pct_block_read=100.0 * ceiling[0] / med)  # fmt: skip
                 say(f"context {n:>6}  {p.name:<22} {med * 1e3:9.2f} ms")
             del case
         bw = max(bw, measure_read_bandwidth(cfg.membw_bytes))
@@ -316,7 +346,7 @@ def run_sweep(
 def format_table(rows: list[dict[str, Any]], bandwidth_gbps: float) -> str:
     """A plain-text table of the rows (one block per context)."""
     bases = list(dict.fromkeys(r["provider"] for r in rows if r["baseline"]))
-    head = ["provider", "median ms", "GB/s", "% bw", *[f"vs {b}" for b in bases], "extra MB"]
+    head = ["provider", "median ms", "GB/s", "% bw", *[f"vs {b}" for b in bases], "extra MB", "ceiling ms", "% ceil"]
     lines = [f"memory read bandwidth (measured): {bandwidth_gbps:.1f} GB/s"]
     for n in dict.fromkeys(r["context"] for r in rows):
         sub = [r for r in rows if r["context"] == n]
@@ -324,16 +354,20 @@ def format_table(rows: list[dict[str, Any]], bandwidth_gbps: float) -> str:
         lines.append("")
         lines.append(
             f"context {n} tokens, batch {r0['batch']}, {r0['q_heads']} q / {r0['kv_heads']} kv heads, "
-            f"head_dim {r0['head_dim']}, {r0['threads']} threads"
+            f"head_dim {r0['head_dim']}, {r0['threads']} threads, {r0.get('block_order', 'shuffled')} block ids"
         )
         table = [head]
         for r in sub:
             extra = "-" if r["scratch_bytes"] is None else f"{r['scratch_bytes'] / 2**20:.0f}"
+            ceil = (f"{r['block_read_ms']:.2f}", f"{r['pct_block_read']:.0f}") if "block_read_ms" in r else ("-", "-")
             table.append([r["provider"], f"{r['median_ms']:.2f}", f"{r['gbps']:.1f}", f"{r['pct_bandwidth']:.0f}",
-                          *[f"{r[f'speedup_vs_{b}']:.2f}x" for b in bases], extra])  # fmt: skip
+                          *[f"{r[f'speedup_vs_{b}']:.2f}x" for b in bases], extra, *ceil])  # fmt: skip
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         for row in table:
             lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    if any("block_read_ms" in r for r in rows):
+        lines += ["", "ceiling ms: the same cache's blocks read in the kernel's order with its prefetching and no "
+                  "arithmetic (kvpack.bench.blockread); % ceil = ceiling ms / median ms"]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ examples:
   kvpack bench decode                      # batch 4, 32 q / 8 kv heads, head_dim 128, 8k 16k 32k
   kvpack bench decode --quick              # a small grid, about a minute
   kvpack bench decode --formats int8,int4 --contexts 32k --json out.json
+  kvpack bench decode --formats int8 --contexts 32k --block-order ascending   # a fresh pool's block ids
 """
 
 QUICK = {"contexts": "4k,16k", "formats": "int8,fp8,int4,kivi2", "repeats": 5}
@@ -51,6 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--repeats", type=int, default=None, help="timed calls per provider (default 10)")
     d.add_argument("--threads", type=int, default=None, help="threads for torch and the kernel (default: torch's)")
     d.add_argument("--membw-mb", type=int, default=512, help="buffer of the memory bandwidth probe in MiB (512)")
+    d.add_argument(
+        "--block-order",
+        choices=("shuffled", "ascending"),
+        default="shuffled",
+        help="block ids of the paged caches: shuffled (a fragmented pool, default) or ascending (a fresh pool)",
+    )
     d.add_argument("--quick", action="store_true", help="small grid (4k and 16k, 5 repeats), about a minute")
     d.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     # generate is another module's: its options are parsed when it runs (see _run_generate)
@@ -89,6 +96,7 @@ def _run_decode(args: argparse.Namespace) -> int:
         slow_repeats=min(3, repeats),
         threads=args.threads,
         membw_bytes=args.membw_mb * 2**20,
+        block_order=args.block_order,
     )
     if not cfg.contexts:
         raise ConfigError("--contexts is empty; give e.g. 8k,32k")

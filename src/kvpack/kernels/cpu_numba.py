@@ -168,26 +168,37 @@ def _from_order_key(i):
     return _as_f32(i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """Hint the cache to fetch the line holding ``arr[idx]`` (1-D array; never faults, never checked)."""
-    if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(idx, types.Integer):
-        return None
+def _prefetch_intrinsic(locality: int):
+    """An intrinsic ``(arr, idx)`` that hints the cache to fetch the line holding ``arr[idx]`` (1-D array;
+    never faults, never checked); ``locality`` as LLVM's: 2 = into L2 (x86 ``prefetcht1``), 3 = into L1."""
 
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer2(context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
-                                        strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
-                                        inds=[args[1]], wraparound=False)  # fmt: skip
-        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
-        name = "llvm.prefetch.p0" if str(ptr.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque or typed pointers
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr, i32(0), i32(2), i32(1)])
-        return context.get_dummy_value()
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(idx, types.Integer):
+            return None
 
-    return types.void(arr, idx), codegen
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer2(context, builder, data=ary.data,
+                                            shape=cgutils.unpack_tuple(builder, ary.shape),
+                                            strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
+                                            inds=[args[1]], wraparound=False)  # fmt: skip
+            ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+            name = "llvm.prefetch.p0" if str(ptr.type) == "ptr" else "llvm.prefetch.p0i8"  # opaque or typed pointers
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            builder.call(fn, [ptr, i32(0), i32(locality), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    return prefetch
+
+
+_prefetch = _prefetch_intrinsic(2)  # into L2: rows and scales of the block after next
+_prefetch_l1 = _prefetch_intrinsic(3)  # into L1 (the integer loops emit their own; see _ir_prefetch)
 
 
 @njit(**_NOREF)

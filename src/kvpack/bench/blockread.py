@@ -1,0 +1,117 @@
+"""The block-read ceiling: how fast this machine reads one paged cache's payload the way the CPU kernel does.
+
+The sequential probe (:mod:`kvpack.bench.membw`) streams one contiguous buffer, which the hardware
+prefetchers follow at full speed. A decode kernel cannot read like that: it reads each sequence's blocks
+in block-table order, one kv head at a time, and block ids are arbitrary (a fragmented pool), so every
+``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
+This probe does exactly the kernel's reads and nothing else: the same work items and threads
+(:func:`kvpack.kernels.cpu_numba.plan`, :func:`kvpack.kernels.cpu._run_sliced`), keys then values of each
+block, one load per 64-byte line, the same software prefetching (the block after next into L2, and for
+rows of 128 bytes or more the next block into L1), no arithmetic. Its time is what a kernel with free
+compute would take on this cache, so ``probe ms / kernel ms`` says how much of the reachable memory
+speed the kernel uses. Scales and the full-precision tail (1-3% of the bytes) are not read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+from numba import njit
+
+from kvpack.errors import UnsupportedError
+from kvpack.kernels.cpu_numba import _prefetch, _prefetch_l1
+from kvpack.kernels.views import PagedKV
+
+__all__ = ["BlockRead", "measure_block_read", "read_items"]
+
+_U64 = np.uint64
+
+
+@njit(nogil=True, cache=True)
+def read_items(i0, i1, items, k8, k64, v8, v64, tables, kv_heads, bs, krow, vrow, out):  # pragma: no cover - numba
+    """Read the payload of work items ``[i0, i1)`` like the kernel does; ``out[it]`` gets the XOR of every
+    64-bit word read (the first word of each 64-byte line), so nothing can be skipped.
+
+    items: ``[n, 5]`` int64 from ``plan`` (row, head, first block, end block, tail); k8/v8: the key and value
+    pools as flat uint8, k64/v64 the same bytes as uint64; tables: ``[batch, max_blocks]`` int32;
+    krow/vrow: payload bytes per row; out: ``[n]`` uint64.
+    """
+    for it in range(i0, i1):
+        b, h, j0, j1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+        acc = _U64(0)
+        for j in range(j0, j1):
+            idx = np.int64(tables[b, j])
+            if idx == 0:  # released: the kernel never reads the null block
+                continue
+            far = np.int64(tables[b, j + 2]) if j + 2 < j1 else np.int64(0)
+            near = np.int64(tables[b, j + 1]) if j + 1 < j1 else np.int64(0)
+            for part in range(2):
+                p8 = k8 if part == 0 else v8
+                p64 = k64 if part == 0 else v64
+                rs = krow if part == 0 else vrow
+                n = _U64(bs * rs)
+                base = _U64((idx * kv_heads + h) * bs * rs)
+                fb = _U64((far * kv_heads + h) * bs * rs)
+                nb = _U64((near * kv_heads + h) * bs * rs)
+                for o in range(_U64(0), n, _U64(64)):
+                    if far:
+                        _prefetch(p8, fb + o)
+                    if near and rs >= 128:
+                        _prefetch_l1(p8, nb + o)
+                    acc ^= p64[(base + o) >> _U64(3)]
+        out[it] = acc
+
+
+class BlockRead:
+    """The probe for one cache: build once, :meth:`run` as often as needed."""
+
+    def __init__(self, kv: PagedKV, threads: int | None = None) -> None:
+        from kvpack.kernels import cpu
+
+        if kv.k_data.device.type != "cpu":
+            raise UnsupportedError(f"the block-read probe reads CPU pools; this cache is on {kv.k_data.device}")
+        self.kv = kv
+        self.threads = threads or max(1, torch.get_num_threads())
+        tables = kv.block_tables.contiguous().numpy()
+        seq_lens = kv.seq_lens.contiguous().numpy()
+        start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
+        self.items, _ = cpu._nb().plan(
+            seq_lens,
+            start,
+            -1,
+            kv.block_size,
+            kv.kv_heads,
+            cpu._ITEMS_PER_THREAD * self.threads,
+            max(1, cpu.MIN_CHUNK_TOKENS // kv.block_size),
+        )
+        k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
+        krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
+        self.out = np.zeros(len(self.items), np.uint64)
+        self.args = (self.items, k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, kv.kv_heads, kv.block_size, krow, vrow,
+                     self.out)  # fmt: skip
+        blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))
+        self.nbytes = blocks * kv.block_size * (krow + vrow)
+
+    def run(self) -> np.ndarray:
+        """One pass over the payload; returns the per-item XOR words (``[n_items]`` uint64)."""
+        from kvpack.kernels import cpu
+
+        cpu._run_sliced(read_items, self.items, self.threads, self.args)
+        return self.out
+
+
+def measure_block_read(kv: PagedKV, repeats: int = 10, warmup: int = 2) -> tuple[float, float]:
+    """``(median seconds, GB/s)`` of :class:`BlockRead` over ``kv``'s payload, with torch's thread count."""
+    probe = BlockRead(kv)
+    for _ in range(warmup):
+        probe.run()
+    times = []
+    for _ in range(max(repeats, 1)):
+        t = time.perf_counter()
+        probe.run()
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    return med, probe.nbytes / med / 1e9
