@@ -217,7 +217,7 @@ def _prefetch_rows(pay, kind, fk, base, rs, t, nt):
             _prefetch(pay[1], start + off)
 
 
-@njit(**_NOREF)
+@njit(inline="always", **_NOREF)
 def _prefetch_scales(arrs, kind, o, n):
     """Prefetch ``n`` stored scales (or zero-points) at flat offset ``o``."""
     if kind == SC_F32:
@@ -491,7 +491,7 @@ def _vacc8(buf, nt, w, t, acc, g_n):
             ad[i] += _dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7)
 
 
-@njit(fastmath=FASTMATH, **_NOREF)
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _scales(arrs, kind, o, n, out):
     """``out[:n]`` = the stored scales (or zero-points) at flat offset ``o``, as float32 (0 for none)."""
     if kind == SC_F32:
@@ -520,7 +520,7 @@ def _scales(arrs, kind, o, n, out):
             out[i] = _ZERO
 
 
-@njit(fastmath=FASTMATH, **_NOREF)
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _scales_t(arrs, kind, o, nt, cs, tmp, out):
     """The ``[nt, cs]`` slab of scales at flat offset ``o``, transposed: ``out[grp * nt + t]`` (float32),
     so loops over the tokens of one group run with unit stride. ``tmp``: scratch of ``nt * cs``."""
@@ -959,7 +959,7 @@ def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wi
         _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
 
 
-@njit(fastmath=FASTMATH, **_NOREF)
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _q16_keys(qf, lim, cbar, q16, qinv, kc):
     """The folded query ``qf`` ``[G4, D]`` (keys' plane order) as int16 ``q16`` ``[G4 * D]`` (the same order,
     which :func:`_kdot_ir` reads), scaled per head to ``lim`` at its largest magnitude; ``qinv[g]`` ``[G4]``
@@ -991,7 +991,7 @@ def _q16_keys(qf, lim, cbar, q16, qinv, kc):
             kc[g] -= cbar * rsum
 
 
-@njit(fastmath=FASTMATH, **_NOREF)
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
     """Attention weights ``p[g, t] * sv[grp * vts + t]`` (``t`` dropped when ``vts`` is 1: a scale per block)
     of rows ``[ta, tb)`` as int16 ``w16`` ``[G4 // 4, ngv, 4, B]`` (row ``t`` at ``t - ta``), zero outside
@@ -1050,7 +1050,7 @@ def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc,
                 sc[g, t] += qo[g * no + j] * r
 
 
-@njit(**_NOREF)
+@njit(inline="always", **_NOREF)
 def _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, rs, t):
     """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
     prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
