@@ -25,7 +25,7 @@ from kvpack.outliers import (
     seal_time_channels,
 )
 from kvpack.quant import dequantize, quantize
-from kvpack.testing import assert_bitexact, assert_close, random_paged_kv, realistic_keys, snr_db
+from kvpack.testing import assert_bitexact, assert_close, cpu_kernel_tolerance, random_paged_kv, realistic_keys, snr_db
 
 L, H, D, B = 2, 2, 64, 16
 FMT = parse_format(f"fp8-o4,block={B}")
@@ -213,7 +213,7 @@ def test_dispatcher_names_the_outlier_reason(monkeypatch):
     expected = paged_attention_reference(q.unsqueeze(1), kv)[:, 0]
     if getattr(cpu, "SUPPORTS_OUTLIERS", False):
         assert kernels.OUTLIER_REASON not in reasons
-        assert_close(got, expected, 2e-4, 2e-3)
+        assert_close(got, expected, *cpu_kernel_tolerance(kv))
     else:
         assert kernels.OUTLIER_REASON in reasons
         assert any(kernels.OUTLIER_REASON in str(x.message) for x in w)
@@ -436,6 +436,9 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
 
     expected = simulated(FMT)
     monkeypatch.setattr(kernels, "_warned", set())
+    # the float path, whose values are the reconstruction's exactly; the integer path's fp8 rounding is bounded
+    # against the reference in tests/test_kernel_cpu.py, this test is about the cache feeding the kernel
+    monkeypatch.setattr(cpu, "INT_DOT", False)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cache = kvpack.hf.cache_for(model, FMT, max_tokens=256)

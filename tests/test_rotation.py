@@ -15,7 +15,7 @@ from kvpack.formats import parse_format
 from kvpack.integrations.hf_attention import chunk_attention
 from kvpack.kernels import PagedKV, decode_attention, reference
 from kvpack.rotation import key_rotation, rotate, unrotate
-from kvpack.testing import assert_close, random_paged_kv, realistic_keys
+from kvpack.testing import assert_close, cpu_kernel_tolerance, random_paged_kv, realistic_keys
 
 
 def test_preset_syntax_and_rules():
@@ -150,7 +150,11 @@ def _check_backend(backend: str, q: torch.Tensor, kv, expected: torch.Tensor) ->
             triton_decode.decode_attention(q, kv)  # a direct call must not read rotated keys with q
     else:
         got = decode_attention(q, kv, backend=backend)
-        assert_close(got, expected, 2e-5, 1e-4)  # fp8 codes take the CPU kernel's float path
+        # reference: the same arithmetic; cpu: the bound of the path it takes here (fp8 codes: integer path on
+        # AVX-512 BW, rounded to 12 bits; float path elsewhere)
+        assert_close(
+            got, expected, *((2e-5, 1e-4) if backend == "reference" else cpu_kernel_tolerance(kv, (2e-5, 1e-4)))
+        )
         if backend == "cpu":
             from kvpack.kernels import cpu
 
@@ -211,4 +215,4 @@ def test_the_fp8_preset_serves_head_dims_that_are_not_powers_of_two(d):
     assert (dk - k[0]).abs().max() < 0.1 * k.abs().max()  # natural keys back, within e4m3's error
     q = torch.randn(1, 4, d, generator=g)
     expected = decode_attention(q, view, backend="reference")
-    assert_close(decode_attention(q, view, backend="cpu"), expected, 2e-5, 1e-4)
+    assert_close(decode_attention(q, view, backend="cpu"), expected, *cpu_kernel_tolerance(view, (2e-5, 1e-4)))

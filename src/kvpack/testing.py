@@ -19,6 +19,7 @@ __all__ = [
     "SNR_FLOOR_DB",
     "assert_bitexact",
     "assert_close",
+    "cpu_kernel_tolerance",
     "random_paged_kv",
     "realistic_keys",
     "sink_attention_oracle",
@@ -74,6 +75,32 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
             f"{msg} max abs error {float(err.max()):.3g}; worst at flat index {i}: "
             f"{float(a.flatten()[i]):.6g} vs {float(e.flatten()[i]):.6g} (atol={atol}, rtol={rtol})"
         )
+
+
+# The CPU kernel against the reference on the same stored bytes (derivations: tests/test_kernel_cpu.py):
+# the float path differs by summation order; the integer path rounds the folded query and the weights to
+# int16; fp8 codes on the integer path also round each code to a 12-bit grid of the format's largest value.
+FLOAT_PATH_TOL = (2e-4, 2e-3)
+INT_PATH_TOL = (1e-3, 1e-2)
+FP8_INT_PATH_TOL = (2e-2, 5e-2)
+
+
+def cpu_kernel_tolerance(kv: PagedKV, base: tuple[float, float] = FLOAT_PATH_TOL) -> tuple[float, float]:
+    """``(atol, rtol)`` for the CPU kernel on ``kv`` against the reference, on the path it takes here: ``base``
+    (the float path; pass a wider one for half-precision queries), widened to :data:`INT_PATH_TOL` when the
+    integer path reads integer codes, or to :data:`FP8_INT_PATH_TOL` when it reads fp8 codes."""
+    from kvpack.kernels import cpu
+
+    nbm = cpu._nb()
+    wide = None
+    for spec, data, role in ((kv.format.key, kv.k_data, "key"), (kv.format.value, kv.v_data, "value")):
+        p = cpu._params(spec, kv, data, role)
+        if p[nbm.P_DOT]:
+            fp8 = p[nbm.P_KIND] in (nbm.E4M3, nbm.E5M2)
+            wide = FP8_INT_PATH_TOL if fp8 or wide == FP8_INT_PATH_TOL else INT_PATH_TOL
+    if wide is None:
+        return base
+    return max(base[0], wide[0]), max(base[1], wide[1])
 
 
 def realistic_keys(

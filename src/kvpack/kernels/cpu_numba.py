@@ -555,8 +555,48 @@ def _scales_t(arrs, kind, o, nt, cs, tmp, out):
 # A packed row is read 32 bytes at a time: bytes -> words (sign- or zero-extended), then plane ``k``
 # (``(word >> bits * k) & mask``) holds the codes of channels ``per * j + k`` for the 32 bytes ``j``.
 
-_INT_KINDS = {S8: (1, True), U8: (1, False), U4: (2, False), U2: (4, False)}  # kind -> (codes per byte, signed)
-_CODE_MAX = {S8: 128, U8: 255, U4: 15, U2: 3}  # largest |code|, for the int32 overflow bound
+_INT_KINDS = {S8: (1, True), U8: (1, False), U4: (2, False), U2: (4, False), E4M3: (1, True), E5M2: (1, True)}
+# ^ kind -> (codes per byte, signed); fp8 codes become signed int16 words through a table (_ir_lut)
+# fp8 codes as integers: each code's value in units of the format's largest finite value / _LUT_MAX, so the
+# integer path adds at most 0.5 / _LUT_MAX of the block's largest key or value per element (fp8's own
+# rounding is 1/16 to 1/8 of the element); 12 bits leave the int16 query 13 bits before int32 sums overflow
+_LUT_MAX = 2047
+_FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_CODE_MAX = {S8: 128, U8: 255, U4: 15, U2: 3, E4M3: _LUT_MAX, E5M2: _LUT_MAX}  # largest |code|: int32 bound
+
+
+def _fp8_value(kind: int, code: int) -> float:
+    """The value of an fp8 byte (0 for NaN and infinities, which stored caches never hold)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    em = code & 0x7F
+    mbits, bias = (3, 7) if kind == E4M3 else (2, 15)
+    e, m = em >> mbits, em & ((1 << mbits) - 1)
+    if (kind == E4M3 and em == 0x7F) or (kind == E5M2 and e == 31):
+        return 0.0
+    if e == 0:
+        return sign * m * 2.0 ** (1 - bias - mbits)
+    return sign * (1.0 + m / (1 << mbits)) * 2.0 ** (e - bias)
+
+
+def _lut_table(kind: int) -> list[int]:
+    """The int16 word of fp8 magnitudes 0..127: ``round(|value| / max * _LUT_MAX)``."""
+    return [round(_fp8_value(kind, c) / _FP8_MAX[kind] * _LUT_MAX) for c in range(128)]
+
+
+_E4M3_UNIT = _FP8_MAX[E4M3] / _LUT_MAX
+_E5M2_UNIT = _FP8_MAX[E5M2] / _LUT_MAX
+
+
+@njit(**_NOREF)
+def _code_unit(kind):
+    """What one integer code unit is worth: 1 for integer codes, ``max / _LUT_MAX`` for fp8 (see _lut_table)."""
+    if kind == E4M3:
+        return np.float32(_E4M3_UNIT)
+    if kind == E5M2:
+        return np.float32(_E5M2_UNIT)
+    return np.float32(1.0)
+
+
 _I32_MAX = 2**31 - 1
 
 
@@ -569,11 +609,51 @@ def _ir_mask(vals) -> str:
     return f"<{len(vals)} x i32> " + _ir_vec("i32", vals)
 
 
-def _ir_words(lines: list[str], src: str, name: str, per: int, signed: bool, off: str = "") -> list[str]:
+def _ir_lut(lines: list[str], name: str, src: str, kind: int, isa: str) -> str:
+    """``%name``: the <32 x i8> fp8 codes ``src`` as signed <32 x i16> words (:func:`_lut_table`). AVX-512 BW
+    looks the 128 magnitudes up with two 64-word permutes (``vpermt2w``) chosen by bit 6, then applies the sign
+    bit; elsewhere a gather from a table in memory (verified, never run: the integer path needs AVX-512 BW)."""
+    t = _lut_table(kind)
+    lines.append(f"  %{name}.z = zext <32 x i8> {src} to <32 x i16>")
+    if isa == "generic":
+        lines += [f"  %{name}.ix = and <32 x i16> %{name}.z, {_ir_vec('i16', [127] * 32)}",
+                  f"  %{name}.i64 = zext <32 x i16> %{name}.ix to <32 x i64>",
+                  f"  %{name}.pp = getelementptr i16, ptr @kvpack_lut_{kind}, <32 x i64> %{name}.i64",
+                  f"  %{name}.mag = call <32 x i16> @llvm.masked.gather.v32i16.v32p0(<32 x ptr> %{name}.pp, i32 2, "
+                  f"<32 x i1> {_ir_vec('i1', ['true'] * 32)}, <32 x i16> poison)"]  # fmt: skip
+    else:
+        for part in range(2):  # magnitudes 64 * part .. 64 * part + 63: two tables of 32 words
+            a, b = _ir_vec("i16", t[64 * part : 64 * part + 32]), _ir_vec("i16", t[64 * part + 32 : 64 * part + 64])
+            lines.append(f"  %{name}.t{part} = call <32 x i16> @llvm.x86.avx512.vpermi2var.hi.512(<32 x i16> {a}, "
+                         f"<32 x i16> %{name}.z, <32 x i16> {b})")  # fmt: skip
+        lines += [f"  %{name}.b6w = and <32 x i16> %{name}.z, {_ir_vec('i16', [64] * 32)}",
+                  f"  %{name}.b6 = icmp ne <32 x i16> %{name}.b6w, zeroinitializer",
+                  f"  %{name}.mag = select <32 x i1> %{name}.b6, <32 x i16> %{name}.t1, <32 x i16> %{name}.t0"]  # fmt: skip
+    lines += [f"  %{name}.sw = and <32 x i16> %{name}.z, {_ir_vec('i16', [128] * 32)}",
+              f"  %{name}.sg = icmp ne <32 x i16> %{name}.sw, zeroinitializer",
+              f"  %{name}.neg = sub <32 x i16> zeroinitializer, %{name}.mag",
+              f"  %{name} = select <32 x i1> %{name}.sg, <32 x i16> %{name}.neg, <32 x i16> %{name}.mag"]  # fmt: skip
+    return f"%{name}"
+
+
+def _ir_lut_decl(kind: int, isa: str) -> str:
+    """Declarations the fp8 lookup needs (nothing for integer codes)."""
+    if kind not in _FP8_MAX:
+        return ""
+    if isa == "generic":
+        return (f"@kvpack_lut_{kind} = private unnamed_addr constant [128 x i16] [{', '.join(f'i16 {v}' for v in _lut_table(kind))}]\n"
+                "declare <32 x i16> @llvm.masked.gather.v32i16.v32p0(<32 x ptr>, i32, <32 x i1>, <32 x i16>)\n")  # fmt: skip
+    return "declare <32 x i16> @llvm.x86.avx512.vpermi2var.hi.512(<32 x i16>, <32 x i16>, <32 x i16>)\n"
+
+
+def _ir_words(lines: list[str], src: str, name: str, per: int, signed: bool, off: str = "", kind: int = S8,
+              isa: str = "generic") -> list[str]:  # fmt: skip
     """Emit the ``per`` planes of 32 bytes at pointer ``src`` as <32 x i16>, minus the splat ``off`` when
     given (offset-binary codes become signed, centred ones); returns their names."""
     bits = 8 // per
     lines.append(f"  %{name}.b = load <32 x i8>, ptr {src}, align 1")
+    if kind in _FP8_MAX:
+        return [_ir_lut(lines, f"{name}.w", f"%{name}.b", kind, isa)]
     lines.append(f"  %{name}.w = {'sext' if signed else 'zext'} <32 x i8> %{name}.b to <32 x i16>")
     out = []
     for k in range(per):
@@ -710,7 +790,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
                       f"  %qv{k}_{g} = load <32 x i16>, ptr %qp{k}_{g}, align 2"]  # fmt: skip
     for r in range(4):
         lines.append(f"  %bp{r} = getelementptr i8, ptr %rp{r}, i64 %boff")
-        for k, x in enumerate(_ir_words(lines, f"%bp{r}", f"r{r}", per, signed, "" if signed else "%offv")):
+        for k, x in enumerate(_ir_words(lines, f"%bp{r}", f"r{r}", per, signed, "" if signed else "%offv", kind, isa)):
             for g in range(4):
                 n = g * 4 + r
                 _ir_dot(lines, f"%a{n}.{k}", last[n], x, f"%qv{k}_{g}", isa)
@@ -728,7 +808,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
                   f"  store <4 x float> %o{g}, ptr %op{g}, align 4"]  # fmt: skip
     lines += ["  %gi.next = add i64 %gi, 1", "  %gc = icmp ult i64 %gi.next, %ngrp",
               "  br i1 %gc, label %grp, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
-    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH
+    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
 def _vdot_ir(name: str, kind: int, isa: str) -> str:
@@ -799,8 +879,14 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
         planes = []
         for r in range(2):
             x = f"%x{e}{r}"
-            lines += [f"  {x}.p = getelementptr i8, ptr %r{r}p, i64 %bo{e}", f"  {x}.b = load <32 x i8>, ptr {x}.p, align 1",
-                      f"  {x}.w = {'sext' if signed else 'zext'} <32 x i8> {x}.b to <32 x i16>"]  # fmt: skip
+            lines += [
+                f"  {x}.p = getelementptr i8, ptr %r{r}p, i64 %bo{e}",
+                f"  {x}.b = load <32 x i8>, ptr {x}.p, align 1",
+            ]
+            if kind in _FP8_MAX:
+                _ir_lut(lines, f"x{e}{r}.w", f"{x}.b", kind, isa)
+            else:
+                lines.append(f"  {x}.w = {'sext' if signed else 'zext'} <32 x i8> {x}.b to <32 x i16>")
             if per > 1:
                 lines += [
                     f"  {x}.s = lshr <32 x i16> {x}.w, %sh{e}",
@@ -849,7 +935,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                           f"  store <16 x float> %s{n}, ptr %p{n}, align 4"]  # fmt: skip
     lines += ["  %ui.next = add i64 %ui, 1", "  %uc.n = mul i64 %ui.next, 2", "  %uc = icmp ult i64 %uc.n, %nu",
               "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
-    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH
+    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
 _SIMD_LIBS: dict = {}
@@ -929,8 +1015,8 @@ def _vdot_intrinsic(kind: int):
     return vdot
 
 
-_kdot_s8, _kdot_u8, _kdot_u4, _kdot_u2 = (_kdot_intrinsic(kind) for kind in (S8, U8, U4, U2))
-_vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2 = (_vdot_intrinsic(kind) for kind in (S8, U8, U4, U2))
+_kdot_s8, _kdot_u8, _kdot_u4, _kdot_u2, _kdot_e4, _kdot_e5 = (_kdot_intrinsic(k) for k in (S8, U8, U4, U2, E4M3, E5M2))
+_vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2, _vdot_e4, _vdot_e5 = (_vdot_intrinsic(k) for k in (S8, U8, U4, U2, E4M3, E5M2))
 
 
 @njit(**_NOREF)
@@ -942,6 +1028,10 @@ def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff
         _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == U4:
         _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+    elif kind == E4M3:
+        _kdot_e4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+    elif kind == E5M2:
+        _kdot_e5(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     else:
         _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
 
@@ -955,6 +1045,10 @@ def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wi
         _vdot_u8(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     elif kind == U4:
         _vdot_u4(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
+    elif kind == E4M3:
+        _vdot_e4(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
+    elif kind == E5M2:
+        _vdot_e5(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     else:
         _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
 
@@ -1100,7 +1194,13 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
     # per-block constants then leave it out; codes with a zero-point keep their midpoint (see _q16_keys)
     kfoff = _ZERO if kint else koff
     vzoff = _ZERO if vint else voff
-    kcbar = _ZERO if (kp[P_KIND] == S8 or kp[P_OFF] != 0) else np.float32(((1 << (8 // kper)) - 1) / 2)
+    kcbar = (
+        _ZERO
+        if (kp[P_KIND] == S8 or kp[P_KIND] == E4M3 or kp[P_KIND] == E5M2 or kp[P_OFF] != 0)
+        else np.float32(((1 << (8 // kper)) - 1) / 2)
+    )
+    kunit = _code_unit(kp[P_KIND]) if kint else np.float32(1.0)  # fp8 codes: table words -> values
+    vunit = _code_unit(vp[P_KIND]) if vint else np.float32(1.0)
     vspan = vdp // vcs if vcs > 1 else vdp
     for j in range(j0, j1):
         if tail:
@@ -1169,6 +1269,9 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             qsrc = qf
             if kint:
                 _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
+                if kunit != 1.0:
+                    for g in range(qinv.shape[0]):
+                        qinv[g] *= kunit
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
             so = U64((idx * kp[P_HS] + khs) * bs * kcs)
@@ -1270,6 +1373,9 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             ta = t0 - t0 % 2
             tb = min(t1 + t1 % 2, bs)
             _w16_values(sc, g_n, t0, t1, ta, tb, sv, vts, ngv, vp[P_DOT], mxb, w16, winv)
+            if vunit != 1.0:
+                for g in range(winv.shape[0]):
+                    winv[g] *= vunit
             for g0 in range(0, g_n, 4):
                 vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
                 vpf1 = _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, vrs, ta) if g0 == 0 else U64(0)
