@@ -32,6 +32,7 @@ same caches (vs full precision attention); ``FP8_INT_TOL`` = atol 2e-2 / rtol 5e
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -353,6 +354,27 @@ def test_integer_loops_are_valid_ir_for_every_isa() -> None:
                 one_per_byte = kind in (nbm.S8, nbm.U8, nbm.E4M3, nbm.E5M2)
                 assert text.count("call void @llvm.prefetch.p0") == (2 if one_per_byte else 1)
                 assert (", i32 0, i32 3, i32 1)" in text) == one_per_byte
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_table_words_are_the_codes_values_on_a_12_bit_grid(dtype: torch.dtype) -> None:
+    """The integer path's fp8 table: every finite code's word times the format's unit is its value within half
+    a unit (the grid the tolerance is derived from), signs included; the largest code is the grid's top."""
+    nbm = cpu._nb()
+    kind = nbm.E4M3 if dtype == torch.float8_e4m3fn else nbm.E5M2
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).float()
+    table = nbm._lut_table(kind)
+    unit = nbm._FP8_MAX[kind] / nbm._LUT_MAX
+    assert float(nbm._code_unit(kind)) == pytest.approx(unit, rel=1e-6)  # what the kernel multiplies by
+    assert max(table) == nbm._LUT_MAX and len(table) == 128
+    for c in range(256):
+        v = float(values[c])
+        if not math.isfinite(v):
+            continue
+        assert nbm._fp8_value(kind, c) == v
+        word = -table[c & 127] if c & 128 else table[c & 127]
+        assert abs(word * unit - v) <= 0.5 * unit * (1 + 1e-6), (c, v, word)
 
 
 def test_next_block_rows_to_prefetch_into_l1() -> None:
