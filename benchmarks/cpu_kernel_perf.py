@@ -89,11 +89,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--hot-blocks", type=int, default=0, help="each sequence cycles over its first N blocks (8: in L2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = DecodeConfig(contexts=(args.context,), formats=(args.format,))
     case = _make_case(cfg, args.context)
     kv = build_paged_kv(args.format, case.k, case.v, cfg.block_size)
+    if args.hot_blocks:  # the compute alone: a few blocks read over and over stay in the caches
+        nb = args.context // cfg.block_size
+        for row in kv.block_tables:
+            row[:nb] = row[: args.hot_blocks].repeat(nb // args.hot_blocks + 1)[:nb].clone()
     out = torch.empty_like(case.q)
 
     def step() -> None:
