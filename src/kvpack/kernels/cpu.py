@@ -54,6 +54,8 @@ _SERIAL_BLOCKS = 64
 # unless the environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
+# The integer path only where its int16 operands keep at least 12 bits (see _int_dot_limit).
+_MIN_INT_LIMIT = 4095
 
 
 @lru_cache(maxsize=1)
@@ -151,7 +153,9 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     Keys: the scale must be constant over a block's tokens (it is folded into the query), rows in whole
     32-byte pieces, block_size a multiple of 4; the ``head_dim`` products of one score must not overflow
     int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs;
-    the ``block_size`` products of one channel must not overflow int32."""
+    the ``block_size`` products of one channel must not overflow int32. Where that bound leaves the
+    operand fewer than 12 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes at head_dim 512 or block 256),
+    the float path is more accurate and serves instead."""
     nbm = _nb()
     if kind not in nbm._CODE_MAX or not int_dot_enabled():
         return 0
@@ -163,10 +167,12 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     if role == "key":
         if ts != 1 or b % 4 or dp % 32:
             return 0
-        return min(32767, _I32_MAX // (d * cmax))
-    if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % 16)):
-        return 0
-    return min(32767, _I32_MAX // ((b + 1) * cmax))
+        lim = min(32767, _I32_MAX // (d * cmax))
+    else:
+        if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % 16)):
+            return 0
+        lim = min(32767, _I32_MAX // ((b + 1) * cmax))
+    return lim if lim >= _MIN_INT_LIMIT else 0
 
 
 def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
