@@ -152,7 +152,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
 
     Keys: the scale must be constant over a block's tokens (it is folded into the query), rows in whole
     32-byte pieces, block_size a multiple of 4; the ``head_dim`` products of one score must not overflow
-    int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs;
+    int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs
+    (8-byte runs for 2-bit codes);
     the ``block_size`` products of one channel must not overflow int32. Where that bound leaves the
     operand fewer than 12 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes at head_dim 512 or block 256),
     the float path is more accurate and serves instead."""
@@ -169,7 +170,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
             return 0
         lim = min(32767, _I32_MAX // (d * cmax))
     else:
-        if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % 16)):
+        run = 8 if per == 4 else 16  # the integer loop's weight groups: 16-byte runs, 8 for 2-bit codes
+        if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % run)):
             return 0
         lim = min(32767, _I32_MAX // ((b + 1) * cmax))
     return lim if lim >= _MIN_INT_LIMIT else 0

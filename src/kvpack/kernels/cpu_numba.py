@@ -815,7 +815,8 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     """IR of ``void name(ptr v, i64 rs, i64 npairs, ptr w, i64 wld, ptr acc, i64 ld, i64 dp, ptr winv, i64 span)``:
     ``acc[g * ld + c] += winv[g] * sum_t w[grp, g, t] * code(t, c)`` over ``2 * npairs`` rows (row ``t`` at
     ``v + t * rs`` bytes, ``dp`` bytes each) for 4 heads; ``c = k * dp + j`` is the values' plane order
-    (plane ``k`` of byte ``j``), ``grp = j // span`` (``span``: bytes per value group, a multiple of 16).
+    (plane ``k`` of byte ``j``), ``grp = j // span`` (``span``: bytes per value group, a multiple of 16, or
+    of 8 for 2-bit codes, whose halves then take the weights of two groups).
     ``w``: int16 ``[groups, 4 heads, *]`` with ``wld`` bytes between rows (the dword at row ``t = 2p`` holds the
     weights of rows ``2p`` and ``2p + 1``).
 
@@ -824,6 +825,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     covers two units of 32 bytes x one plane (64 channels): 4 heads x 4 half-units = 16 accumulators."""
     per, signed = _INT_KINDS[kind]
     bits = 8 // per
+    split = per == 4  # 2-bit codes: a value group of 32 is 8 bytes, two groups per 16-byte half
     inter = [i // 2 + (32 if i % 2 else 0) for i in range(32)]  # words 0..15 of x and y, interleaved
     lines = [f"define void @{name}(ptr %v, i64 %rs, i64 %npairs, ptr %w, i64 %wld, ptr %acc, i64 %ld, i64 %dp, "
              "ptr %winv, i64 %span, i64 %off, ptr %pf, ptr %pf1) {",
@@ -850,9 +852,12 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                 f"  %sh{e}.i = insertelement <32 x i16> poison, i16 %sh{e}.t, i64 0",
                 f"  %sh{e} = shufflevector <32 x i16> %sh{e}.i, <32 x i16> poison, {_ir_mask([0] * 32)}",
             ]
-        for h in range(2):  # the weight group of each 16-byte half
+        for h in range(2):  # the weight group of each 16-byte half (2-bit codes: of each 8-byte quarter)
             lines += [f"  %gb{e}{h} = add i64 %bo{e}, {16 * h}", f"  %gr{e}{h} = udiv i64 %gb{e}{h}, %span",
                       f"  %go{e}{h} = mul i64 %gr{e}{h}, %wgrp"]  # fmt: skip
+            if split:
+                lines += [f"  %gb{e}{h}b = add i64 %bo{e}, {16 * h + 8}", f"  %gr{e}{h}b = udiv i64 %gb{e}{h}b, %span",
+                          f"  %go{e}{h}b = mul i64 %gr{e}{h}b, %wgrp"]  # fmt: skip
     lines += [
         "  %first = icmp eq i64 %ui, 0",
         "  %pfu = select i1 %first, ptr %pf, ptr null",
@@ -907,9 +912,15 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                 wg = f"%wg{e}{h}{g}"
                 lines += [f"  {wg}.r = mul i64 %wld, {g}", f"  {wg}.o = add i64 %go{e}{h}, {wg}.r", f"  {wg}.p = getelementptr i8, ptr %wp, i64 {wg}.o",
                           f"  {wg}.s = load i32, ptr {wg}.p, align 2",
-                          f"  {wg}.i = insertelement <16 x i32> poison, i32 {wg}.s, i64 0",
-                          f"  {wg}.v = shufflevector <16 x i32> {wg}.i, <16 x i32> poison, {_ir_mask([0] * 16)}",
-                          f"  {wg} = bitcast <16 x i32> {wg}.v to <32 x i16>"]  # fmt: skip
+                          f"  {wg}.i = insertelement <16 x i32> poison, i32 {wg}.s, i64 0"]  # fmt: skip
+                if split:  # lanes 0-7 (bytes 0-7 of the half) in one group, lanes 8-15 in the next
+                    lines += [f"  {wg}.ob = add i64 %go{e}{h}b, {wg}.r", f"  {wg}.pb = getelementptr i8, ptr %wp, i64 {wg}.ob",
+                              f"  {wg}.sb = load i32, ptr {wg}.pb, align 2",
+                              f"  {wg}.ib = insertelement <16 x i32> {wg}.i, i32 {wg}.sb, i64 1",
+                              f"  {wg}.v = shufflevector <16 x i32> {wg}.ib, <16 x i32> poison, {_ir_mask([0] * 8 + [1] * 8)}"]  # fmt: skip
+                else:
+                    lines.append(f"  {wg}.v = shufflevector <16 x i32> {wg}.i, <16 x i32> poison, {_ir_mask([0] * 16)}")
+                lines.append(f"  {wg} = bitcast <16 x i32> {wg}.v to <32 x i16>")
                 n = g * 4 + e * 2 + h
                 _ir_dot(lines, f"%a{n}.d", last[n], xy, wg, isa)
                 last[n] = f"%a{n}.d"
