@@ -5,7 +5,7 @@ never pulls in numba). The kernel reads the packed payload and the stored scales
 nothing dequantized is ever written to memory. Every format the presets use is covered: int8 (sym and
 asym), fp8 e4m3/e5m2, int4 and int2 (offset binary or unsigned + zero), passthrough fp16/bf16/fp32, any
 scale dtype (fp32, fp16, bf16, E8M0) and any granularity, and outlier key channels (``kv.k_outlier``).
-int8/int4/int2 codes are multiplied as integers on CPUs with AVX-512 BW (:func:`int_dot_enabled`;
+int8/int4/int2 and fp8 codes are multiplied as integers on CPUs with AVX-512 BW (:func:`int_dot_enabled`;
 ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` turns it off), the float32 path serves everything else.
 """
 
@@ -139,7 +139,7 @@ def _cpu_has_int_dot() -> bool:
 
 
 def int_dot_enabled() -> bool:
-    """Whether int8/int4/int2 codes are multiplied as integers (int16 query and weights, exact int32 sums)
+    """Whether int8/int4/int2/fp8 codes are multiplied as integers (int16 query and weights, exact int32 sums)
     rather than converted to float32 one by one: on CPUs with AVX-512 BW (VNNI: faster still), unless
     ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise."""
     if INT_DOT is not None:

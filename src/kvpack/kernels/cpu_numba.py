@@ -26,8 +26,9 @@ registers) and accumulated into four heads' outputs per pass (one load/store of 
 tokens). The rows, scales and zero-points of the block after next are prefetched while a block is
 computed: block ids are arbitrary, so the hardware prefetcher cannot guess them.
 
-Integer path (int8/int4/int2 codes on AVX-512 BW CPUs, see :func:`_kdot_ir`, :func:`_vdot_ir`): the codes
-are never converted to float. The folded query is rounded to int16 once per block and head
+Integer path (int8/int4/int2 and fp8 codes on AVX-512 BW CPUs, see :func:`_kdot_ir`, :func:`_vdot_ir`): the
+codes are never converted to float (fp8 bytes become int16 words on a 12-bit grid through a table,
+:func:`_ir_lut`; one code unit is then worth :func:`_code_unit`). The folded query is rounded to int16 once per block and head
 (:func:`_q16_keys`) and dotted with the codes widened to int16 words by ``vpdpwssd`` (exact int32 sums),
 four rows by four heads per pass, the sixteen sums reduced together by a transposing shuffle tree; the
 attention weights are rounded to int16 per block (:func:`_w16_values`) and two rows at a time are
@@ -45,8 +46,9 @@ Numba details that decide the speed: index arithmetic in inner loops is unsigned
 signed indices, and that select blocks vectorization); bit tricks stay in int32 (int64 lanes halve the
 vector width); the per-block helpers are compiled without reference counting (numba's ``_nrt=False``:
 otherwise every call increfs and decrefs each array argument, atomics that cost more than a tile's
-arithmetic); float max reductions are done on int32 order keys (:func:`_order_key`: LLVM keeps float max
-reductions scalar). This module is one file on purpose: numba's disk cache is invalidated by the source
+arithmetic), and those called once per block are inlined into the block loop (``inline="always"``: as
+calls, their exploded array arguments were pushed and reloaded every block); float max reductions are done
+on int32 order keys (:func:`_order_key`: LLVM keeps float max reductions scalar). This module is one file on purpose: numba's disk cache is invalidated by the source
 file of the cached function only, so helpers (the IR text generators included) kept in another file
 could be served stale.
 
