@@ -15,7 +15,6 @@ speed the kernel uses. Scales and the full-precision tail (1-3% of the bytes) ar
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -105,13 +104,8 @@ class BlockRead:
 
 def measure_block_read(kv: PagedKV, repeats: int = 10, warmup: int = 2) -> tuple[float, float]:
     """``(median seconds, GB/s)`` of :class:`BlockRead` over ``kv``'s payload, with torch's thread count."""
+    from kvpack.bench.membw import time_calls
+
     probe = BlockRead(kv)
-    for _ in range(warmup):
-        probe.run()
-    times = []
-    for _ in range(max(repeats, 1)):
-        t = time.perf_counter()
-        probe.run()
-        times.append(time.perf_counter() - t)
-    med = statistics.median(times)
+    med = statistics.median(time_calls(probe.run, repeats, warmup))
     return med, probe.nbytes / med / 1e9

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,17 +267,6 @@ def _rss_peak_probe() -> tuple[Callable[[], None], Callable[[], int]] | None:
     return reset, lambda: max(_status("VmHWM") - base[0], 0)
 
 
-def _time(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def _block_read(kv: PagedKV, repeats: int, warmup: int) -> tuple[float, float] | None:
     """The block-read ceiling of ``kv`` (median seconds, GB/s), or None where the probe cannot run (no numba)."""
     try:
@@ -295,7 +283,7 @@ def run_sweep(
 ) -> tuple[list[dict[str, Any]], float]:
     """Run the sweep: returns ``(rows, memory_bandwidth_gbps)`` (bandwidth: the best of a probe before and
     after the kernels, so a noisy neighbour lowers it rather than flattering the kernels)."""
-    from kvpack.bench.membw import measure_read_bandwidth
+    from kvpack.bench.membw import measure_read_bandwidth, time_calls
 
     providers = list(providers or default_providers(cfg.formats, cfg.dequant_formats))
     old_threads = torch.get_num_threads()
@@ -312,7 +300,7 @@ def run_sweep(
             for p in providers:
                 fn, nbytes = _prepare(p, case, cfg)
                 reps = cfg.slow_repeats if p.kind == "dequant-sdpa" else cfg.repeats
-                times = _time(fn, reps, 1 if p.kind == "dequant-sdpa" else cfg.warmup)
+                times = time_calls(fn, reps, 1 if p.kind == "dequant-sdpa" else cfg.warmup)
                 scratch = None
                 if probe is not None:
                     probe[0]()

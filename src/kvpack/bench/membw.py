@@ -8,12 +8,26 @@ that is perfectly bandwidth-bound could reach.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_BYTES", "measure_read_bandwidth"]
+__all__ = ["DEFAULT_BYTES", "measure_read_bandwidth", "time_calls"]
 
 DEFAULT_BYTES = 512 * 2**20  # far above any L3 (tens of MB), small enough for a laptop
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (after ``warmup`` untimed ones)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(repeats, 1)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
 
 
 def measure_read_bandwidth(nbytes: int = DEFAULT_BYTES, repeats: int = 7, threads: int | None = None) -> float:
@@ -29,13 +43,7 @@ def measure_read_bandwidth(nbytes: int = DEFAULT_BYTES, repeats: int = 7, thread
         torch.set_num_threads(threads)
     try:
         buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-        buf.sum()
-        times = []
-        for _ in range(max(repeats, 1)):
-            t = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - t)
-        times.sort()
+        times = sorted(time_calls(buf.sum, repeats, warmup=1))
         return buf.numel() * 4 / times[len(times) // 2] / 1e9
     finally:
         torch.set_num_threads(old)
