@@ -290,10 +290,12 @@ def test_int_path_is_chosen_for_int_and_fp8_codes_only(monkeypatch: pytest.Monke
     p_dot = cpu._nb().P_DOT
     assert cpu._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
     assert cpu._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
-    # fp8's 12-bit codes leave the query 11 bits at head_dim 512: the float path serves there
+    # fp8's 12-bit codes leave the query 11 bits at head_dim 512 (still the integer path), 10 at 1024 (not)
     wide, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=512)
-    assert cpu._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 0
-    assert cpu._params(wide.format.value, wide, wide.v_data, "value")[p_dot] > 0
+    assert cpu._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)
+    wider, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=1024)
+    assert cpu._params(wider.format.key, wider, wider.k_data, "key")[p_dot] == 0
+    assert cpu._params(wider.format.value, wider, wider.v_data, "value")[p_dot] > 0
     assert cpu._params(kvf.format.key, kvf, kvf.k_data, "key")[p_dot] == 16392  # 2**31 // (64 * 2047)
     monkeypatch.setattr(cpu, "INT_DOT", False)
     assert not _int_path(kv8)

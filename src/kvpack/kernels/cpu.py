@@ -54,8 +54,8 @@ _SERIAL_BLOCKS = 64
 # unless the environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
-# The integer path only where its int16 operands keep at least 12 bits (see _int_dot_limit).
-_MIN_INT_LIMIT = 4095
+# The integer path only where its int16 operands keep at least 11 bits (see _int_dot_limit).
+_MIN_INT_LIMIT = 2047
 
 
 @lru_cache(maxsize=1)
@@ -155,7 +155,7 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs
     (8-byte runs for 2-bit codes);
     the ``block_size`` products of one channel must not overflow int32. Where that bound leaves the
-    operand fewer than 12 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes at head_dim 512 or block 256),
+    operand fewer than 11 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes past head_dim 512, block 512+),
     the float path is more accurate and serves instead."""
     nbm = _nb()
     if kind not in nbm._CODE_MAX or not int_dot_enabled():
