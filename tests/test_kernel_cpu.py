@@ -4,8 +4,9 @@ Tolerances: both paths read the same stored bytes and accumulate in float32, so 
 summation order: float32 queries get atol 2e-4 / rtol 2e-3; half-precision queries and outputs get the
 rounding of that dtype on top (atol/rtol 2e-2 for bf16, 5e-3 for fp16).
 
-The integer path (int8/int4/int2 codes, ``cpu.int_dot_enabled()``) rounds two float operands to int16,
-per block and head, at 32767 over their largest magnitude: the key-scale-folded query ``qf`` and the
+The integer path (int8/int4/int2 codes, and fp8 with AVX-512 BW; ``cpu.int_dot_enabled()``) rounds two
+float operands to int16, per block and head, at 32767 over their largest magnitude: the key-scale-folded
+query ``qf`` and the
 attention weights ``p * v_scale`` (bounded by the block's largest ``p`` times its largest scale). Each
 rounding moves an operand by at most 1/65534 of that maximum, independently per element:
 
@@ -51,7 +52,8 @@ FP8_INT_TOL = FP8_INT_PATH_TOL
 
 @pytest.fixture(params=["int", "float"])
 def dot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on the integer path (forced: on CPUs without AVX-512 BW the portable IR runs) and the float one."""
+    """Run a test on the integer path (forced: where the CPU has neither AVX2 nor AVX-512 BW the portable IR runs
+    anyway) and the float one."""
     monkeypatch.setattr(cpu, "INT_DOT", request.param == "int")
     return request.param
 
@@ -285,18 +287,19 @@ def test_int_path_is_chosen_for_int_and_fp8_codes_only(monkeypatch: pytest.Monke
     kvf, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     kvs, _, _ = random_paged_kv(PRESETS["fp16"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     monkeypatch.setattr(cpu, "INT_DOT", True)
-    assert _int_path(kv8) and _int_path(kvf) and not _int_path(kvs)  # fp8 codes through a table; fp16 never
+    fp8_int = cpu.int_dot_isa() == "avx512bw"  # fp8 codes through a vpermt2w table: AVX-512 BW only
+    assert _int_path(kv8) and _int_path(kvf) == fp8_int and not _int_path(kvs)  # fp16 never
     odd, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(18), [40], kv_heads=1, head_dim=64)
     p_dot = cpu._nb().P_DOT
     assert cpu._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
     assert cpu._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
-    # fp8's 12-bit codes leave the query 11 bits at head_dim 512 (still the integer path), 10 at 1024 (not)
-    wide, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=512)
-    assert cpu._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)
-    wider, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=1024)
-    assert cpu._params(wider.format.key, wider, wider.k_data, "key")[p_dot] == 0
-    assert cpu._params(wider.format.value, wider, wider.v_data, "value")[p_dot] > 0
-    assert cpu._params(kvf.format.key, kvf, kvf.k_data, "key")[p_dot] == 16392  # 2**31 // (64 * 2047)
+    if fp8_int:  # fp8's 12-bit codes leave the query 11 bits at head_dim 512 (still the integer path), 10 at 1024
+        wide, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=512)
+        assert cpu._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)
+        wider, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=1024)
+        assert cpu._params(wider.format.key, wider, wider.k_data, "key")[p_dot] == 0
+        assert cpu._params(wider.format.value, wider, wider.v_data, "value")[p_dot] > 0
+        assert cpu._params(kvf.format.key, kvf, kvf.k_data, "key")[p_dot] == 16392  # 2**31 // (64 * 2047)
     monkeypatch.setattr(cpu, "INT_DOT", False)
     assert not _int_path(kv8)
     monkeypatch.setattr(cpu, "INT_DOT", None)

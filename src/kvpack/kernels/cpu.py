@@ -5,8 +5,9 @@ never pulls in numba). The kernel reads the packed payload and the stored scales
 nothing dequantized is ever written to memory. Every format the presets use is covered: int8 (sym and
 asym), fp8 e4m3/e5m2, int4 and int2 (offset binary or unsigned + zero), passthrough fp16/bf16/fp32, any
 scale dtype (fp32, fp16, bf16, E8M0) and any granularity, and outlier key channels (``kv.k_outlier``).
-int8/int4/int2 and fp8 codes are multiplied as integers on CPUs with AVX-512 BW (:func:`int_dot_enabled`;
-``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` turns it off), the float32 path serves everything else.
+int8/int4/int2 codes are multiplied as integers on x86 CPUs with AVX2 or AVX-512 BW, fp8 codes too with
+AVX-512 BW (:func:`int_dot_enabled`; ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` turns it off), the float32
+path serves everything else.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "SUPPORTS_SINK",
     "decode_attention",
     "int_dot_enabled",
+    "int_dot_isa",
     "reasons_unsupported",
 ]
 
@@ -50,8 +52,8 @@ _ITEMS_PER_THREAD = 4
 _SLICES_PER_THREAD = 8
 # Below this many blocks of work a call stays on the calling thread (a hand-off costs ~20 us).
 _SERIAL_BLOCKS = 64
-# Integer dot products for int8/int4/int2 codes (see cpu_numba._kdot_ir): None = where the CPU has AVX-512 BW,
-# unless the environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
+# Integer dot products (see cpu_numba._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
+# environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
 # The integer path only where its int16 operands keep at least 11 bits (see _int_dot_limit).
@@ -130,21 +132,30 @@ def _views(t: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=1)
-def _cpu_has_int_dot() -> bool:
+def int_dot_isa() -> str | None:
+    """The vector instructions the compiled integer loops get on this CPU (as numba targets it):
+    ``"avx512bw"`` (``vpdpwssd`` with VNNI, ``vpmaddwd`` without; fp8 codes through a ``vpermt2w`` table),
+    ``"avx2"`` (the portable loops, which LLVM lowers to 256-bit ``vpmaddwd``: about 2x faster than the
+    float path for int8/int4/int2 codes, measured with numba targeting Haswell; fp8 stays on the float path
+    there, as its table lookup becomes a gather), or None (the float path: other CPUs, not measured)."""
     from llvmlite import binding as llvm
     from numba.core import config
 
-    feats = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
-    return "+avx512bw" in feats.split(",")
+    feats = set((config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(","))
+    if "+avx512bw" in feats:
+        return "avx512bw"
+    if "+avx2" in feats:
+        return "avx2"
+    return None
 
 
 def int_dot_enabled() -> bool:
-    """Whether int8/int4/int2/fp8 codes are multiplied as integers (int16 query and weights, exact int32 sums)
-    rather than converted to float32 one by one: on CPUs with AVX-512 BW (VNNI: faster still), unless
-    ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise."""
+    """Whether integer codes (and, with AVX-512 BW, fp8 codes) are multiplied as integers (int16 query and
+    weights, exact int32 sums) rather than converted to float32 one by one: where :func:`int_dot_isa`
+    names an instruction set, unless ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise."""
     if INT_DOT is not None:
         return INT_DOT
-    return os.environ.get("KVPACK_CPU_INT_DOT", "1") != "0" and _cpu_has_int_dot()
+    return os.environ.get("KVPACK_CPU_INT_DOT", "1") != "0" and int_dot_isa() is not None
 
 
 def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
@@ -160,6 +171,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     nbm = _nb()
     if kind not in nbm._CODE_MAX or not int_dot_enabled():
         return 0
+    if kind in (nbm.E4M3, nbm.E5M2) and int_dot_isa() != "avx512bw":
+        return 0  # fp8's table lookup needs vpermt2w; elsewhere it is a gather, slower than the float path
     d, b = kv.head_dim, kv.block_size
     per = 8 // spec.bits
     dp = d // per
