@@ -5,7 +5,7 @@ prefetchers follow at full speed. A decode kernel cannot read like that: it read
 in block-table order, one kv head at a time, and block ids are arbitrary (a fragmented pool), so every
 ``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
 This probe does exactly the kernel's reads and nothing else: the same work items and threads
-(:func:`kvpack.kernels.cpu_numba.plan`, :func:`kvpack.kernels.cpu._run_sliced`), keys then values of each
+(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu._run_sliced`), keys then values of each
 block, one load per 64-byte line, the same software prefetching (the block after next into L2, and for
 rows of 128 bytes or more the next block into L1), no arithmetic. Its time is what a kernel with free
 compute would take on this cache, so ``probe ms / kernel ms`` says how much of the reachable memory
@@ -77,15 +77,7 @@ class BlockRead:
         tables = kv.block_tables.contiguous().numpy()
         seq_lens = kv.seq_lens.contiguous().numpy()
         start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
-        self.items, _ = cpu._nb().plan(
-            seq_lens,
-            start,
-            -1,
-            kv.block_size,
-            kv.kv_heads,
-            cpu._ITEMS_PER_THREAD * self.threads,
-            max(1, cpu.MIN_CHUNK_TOKENS // kv.block_size),
-        )
+        self.items, _ = cpu.plan_items(seq_lens, start, -1, kv.block_size, kv.kv_heads, self.threads)
         k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)

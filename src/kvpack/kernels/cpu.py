@@ -183,7 +183,7 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
             return 0
         lim = min(32767, _I32_MAX // (d * cmax))
     else:
-        run = 8 if per == 4 else 16  # the integer loop's weight groups: 16-byte runs, 8 for 2-bit codes
+        run = nbm.value_run(per)  # the value loop's weight groups: 16-byte runs, 8 for 2-bit codes
         if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % run)):
             return 0
         lim = min(32767, _I32_MAX // ((b + 1) * cmax))
@@ -344,9 +344,7 @@ def decode_attention(
         tp[nbm.P_ROW] = d
     win = -1 if window is None else int(window)
     threads = max(1, torch.get_num_threads())
-    items, first = nbm.plan(
-        seq_lens, kernel_start, win, b, kv.kv_heads, _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // b)
-    )
+    items, first = plan_items(seq_lens, kernel_start, win, b, kv.kv_heads, threads)
     qf = q.detach().float().contiguous().numpy()
     g = q.shape[1] // kv.kv_heads
     n = items.shape[0]
@@ -408,6 +406,25 @@ def _sink_partials(qf, kv, sink_len, lo, scale_log2):
 
     sk, sv = (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
     return sink_partials(qf, sk, sv, sink_len.astype(np.int64), lo.astype(np.int64), scale_log2)
+
+
+def plan_items(
+    seq_lens: np.ndarray, start: np.ndarray, window: int, block_size: int, kv_heads: int, threads: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's work items for ``threads`` threads (:func:`cpu_numba.plan`: long histories cut into
+    chunks of at least :data:`MIN_CHUNK_TOKENS` to reach :data:`_ITEMS_PER_THREAD` items per thread).
+
+    seq_lens, start: ``[batch]`` int32; window: -1 for none. Returns ``(items [n, 5], first [batch * kv_heads + 1])``.
+    """
+    return _nb().plan(
+        seq_lens,
+        start,
+        window,
+        block_size,
+        kv_heads,
+        _ITEMS_PER_THREAD * threads,
+        max(1, MIN_CHUNK_TOKENS // block_size),
+    )
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -813,6 +813,12 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
     return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
+def value_run(per: int) -> int:
+    """Bytes a value scale group must span whole multiples of in :func:`_vdot_ir`: each 16-byte half of a row
+    takes one group's weights, or for 2-bit codes (``per`` 4 codes per byte) two groups of 8 bytes."""
+    return 8 if per == 4 else 16
+
+
 def _vdot_ir(name: str, kind: int, isa: str) -> str:
     """IR of ``void name(ptr v, i64 rs, i64 npairs, ptr w, i64 wld, ptr acc, i64 ld, i64 dp, ptr winv, i64 span)``:
     ``acc[g * ld + c] += winv[g] * sum_t w[grp, g, t] * code(t, c)`` over ``2 * npairs`` rows (row ``t`` at
@@ -827,7 +833,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     covers two units of 32 bytes x one plane (64 channels): 4 heads x 4 half-units = 16 accumulators."""
     per, signed = _INT_KINDS[kind]
     bits = 8 // per
-    split = per == 4  # 2-bit codes: a value group of 32 is 8 bytes, two groups per 16-byte half
+    split = value_run(per) == 8  # 2-bit codes: a value group of 32 is 8 bytes, two groups per 16-byte half
     inter = [i // 2 + (32 if i % 2 else 0) for i in range(32)]  # words 0..15 of x and y, interleaved
     lines = [f"define void @{name}(ptr %v, i64 %rs, i64 %npairs, ptr %w, i64 %wld, ptr %acc, i64 %ld, i64 %dp, "
              "ptr %winv, i64 %span, i64 %off, ptr %pf, ptr %pf1) {",
