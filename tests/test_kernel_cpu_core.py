@@ -150,48 +150,104 @@ def _items(costs: list[int]) -> np.ndarray:
     return np.array([(0, i, 0, c, 0) for i, c in enumerate(costs)], dtype=np.int64)
 
 
+def _taker():
+    """A compiled stand-in for the kernel's ``work``: thread ``t`` takes items until none is left, recording
+    who took each, and spins ``spin[t]`` iterations per item (a core busy elsewhere)."""
+    from numba import njit
+
+    take = cpu._nb().take_item
+
+    @njit(nogil=True)
+    def taker(t, runs, items, who, spin):
+        it = take(runs, t)
+        while it >= 0:
+            acc = 0.0
+            for i in range(spin[t]):
+                acc += np.sqrt(i + 1.0)
+            who[it] = t + 1 + (0 if acc >= 0 else 100)
+            it = take(runs, t)
+
+    return taker
+
+
 @pytest.mark.parametrize("threads", [2, 3, 5])
 @pytest.mark.parametrize("n", [2, 7, 40])
 def test_threads_run_every_work_item_exactly_once(threads: int, n: int) -> None:
-    import threading
-
-    done: list[tuple[str, int, int]] = []
-    lock = threading.Lock()
-
-    def fn(i0: int, i1: int) -> None:
-        with lock:
-            done.append((threading.current_thread().name, i0, i1))
-
-    cpu._run_sliced(fn, _items([40 + 7 * (i % 3) for i in range(n)]), threads, ())
-    covered = sorted(i for _, i0, i1 in done for i in range(i0, i1))
-    assert covered == list(range(n))
+    items = _items([40 + 7 * (i % 3) for i in range(n)])
+    taker = _taker()
+    for _ in range(20):  # races, if any, show up over repeats
+        who = np.zeros(n, np.int64)
+        cpu.run_items(taker, items, threads, (who, np.zeros(threads, np.int64)))
+        assert ((who >= 1) & (who <= threads)).all()  # every item taken, by a real thread
+    runs = cpu.thread_runs(items, threads)
+    bounds = [(int(r) & 0xFFFFFFFF, int(r) >> 32) for r in runs]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n  # contiguous runs cover all items once
+    assert all(bounds[t][1] == bounds[t + 1][0] for t in range(threads - 1))
 
 
 def test_each_thread_walks_its_own_run_upwards_then_takes_from_the_longest_run() -> None:
-    runs = cpu._Runs(10, 3)  # runs [0, 3), [3, 6), [6, 10)
-    assert [runs.take(0) for _ in range(3)] == [0, 1, 2]
-    assert runs.take(0) == 9  # its own run is done: the last slice of the longest run (thread 2's)
-    assert [runs.take(2) for _ in range(3)] == [6, 7, 8]
-    assert runs.take(2) == 5  # and thread 2 then helps thread 1 from the end
-    assert [runs.take(1) for _ in range(3)] == [3, 4, None]
-    assert runs.take(0) is None
+    nb = cpu._nb()
+    runs = np.array([nb.pack_run(0, 3), nb.pack_run(3, 6), nb.pack_run(6, 10)], np.int64)
+    take = nb.take_item
+    assert [take(runs, 0) for _ in range(3)] == [0, 1, 2]
+    assert take(runs, 0) == 9  # its own run is done: the last item of the longest run (thread 2's)
+    assert [take(runs, 2) for _ in range(3)] == [6, 7, 8]
+    assert take(runs, 2) == 5  # and thread 2 then helps thread 1 from the end
+    assert [take(runs, 1) for _ in range(3)] == [3, 4, -1]
+    assert take(runs, 0) == -1
 
 
-def test_an_idle_thread_takes_the_slices_of_a_busy_one() -> None:
-    import threading
-    import time
+def test_an_idle_thread_takes_the_items_of_a_busy_one() -> None:
+    items = _items([100] * 32)
+    who = np.zeros(32, np.int64)
+    spin = np.array([2_000_000, 0], np.int64)  # the calling thread's core is busy elsewhere
+    cpu.run_items(_taker(), items, 2, (who, spin))
+    assert (who > 0).all()
+    assert (who == 1).sum() < 16 // 2  # its own run was half the items; the other thread took most of it
 
-    done: list[tuple[str, int, int]] = []
-    lock = threading.Lock()
-    main = threading.current_thread().name
 
-    def fn(i0: int, i1: int) -> None:
-        if threading.current_thread().name == main:
-            time.sleep(0.05)  # the calling thread's core is busy elsewhere
-        with lock:
-            done.append((threading.current_thread().name, i0, i1))
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fine_work_items_continue_or_merge_exactly(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Histories cut into many items: a thread that takes the next item of the same kv head carries its
+    softmax state on (the finished item's partial is left empty), items taken by other threads merge."""
+    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(cpu, "_ITEMS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu, "_SERIAL_BLOCKS", 1)
+    fmt = PRESETS["int8"].with_block_size(16)
+    kv, _, _ = random_paged_kv(fmt, [1000, 37, 611, 16 * 20], kv_heads=2, head_dim=64, seed=5)
+    q = torch.randn(4, 4, 64)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for window in (None, 300):
+            got, expected = _run(kv, q, window=window)
+            assert_close(got, expected, *_tol(kv), f"threads {threads} window {window}")
+    finally:
+        torch.set_num_threads(old)
+    seq_lens = kv.seq_lens.numpy()
+    items, _ = cpu.plan_items(seq_lens, np.zeros(4, np.int32), -1, 16, 2, threads)
+    assert len(items) > 4 * 2 * 4  # several items per kv head: continuation is exercised
 
-    cpu._run_sliced(fn, _items([100] * 32), 2, ())
-    assert sorted(i for _, i0, i1 in done for i in range(i0, i1)) == list(range(32))
-    by_main = sum(i1 - i0 for who, i0, i1 in done if who == main)
-    assert by_main < 16 // 2  # its own run was half the items; the other thread took most of it
+
+def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 16)
+    nb = cpu._nb()
+    seen = {}
+    real = nb.merge
+
+    def spy(first, kv_heads, pm, pl, pacc, *rest):
+        seen["first"], seen["pm"] = first.copy(), pm.copy()
+        return real(first, kv_heads, pm, pl, pacc, *rest)
+
+    monkeypatch.setattr(nb, "merge", spy)
+    kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [900], kv_heads=1, head_dim=64, seed=6)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.setattr(cpu, "_ITEMS_PER_THREAD", 16)
+        _run(kv, torch.randn(1, 2, 64))
+    finally:
+        torch.set_num_threads(old)
+    pm = seen["pm"]
+    assert len(pm) > 4  # the history was cut into items
+    assert np.isneginf(pm[:-1]).all() and np.isfinite(pm[-1]).all()  # one thread ran them as one pass

@@ -5,7 +5,7 @@ prefetchers follow at full speed. A decode kernel cannot read like that: it read
 in block-table order, one kv head at a time, and block ids are arbitrary (a fragmented pool), so every
 ``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
 This probe does exactly the kernel's reads and nothing else: the same work items and threads
-(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu._run_sliced`), keys then values of each
+(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu.run_items`), keys then values of each
 block, one load per 64-byte line, the same software prefetching (the block after next into L2, and for
 rows of 128 bytes or more the next block into L1), no arithmetic. Its time is what a kernel with free
 compute would take on this cache, so ``probe ms / kernel ms`` says how much of the reachable memory
@@ -21,7 +21,7 @@ import torch
 from numba import njit
 
 from kvpack.errors import UnsupportedError
-from kvpack.kernels.cpu_numba import _prefetch, _prefetch_l1
+from kvpack.kernels.cpu_numba import _prefetch, _prefetch_l1, take_item
 from kvpack.kernels.views import PagedKV
 
 __all__ = ["BlockRead", "measure_block_read", "read_items"]
@@ -30,23 +30,27 @@ _U64 = np.uint64
 
 
 @njit(nogil=True, cache=True)
-def read_items(i0, i1, items, k8, k64, v8, v64, tables, kv_heads, bs, krow, vrow, out):  # pragma: no cover - numba
-    """Read the payload of work items ``[i0, i1)`` like the kernel does; ``out[it]`` gets the XOR of every
-    64-bit word read (the first word of each 64-byte line), so nothing can be skipped.
+def read_items(t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, out):  # pragma: no cover
+    """Thread ``t``'s share of the work items (taken from ``runs`` like the kernel takes them), read like the
+    kernel reads them; ``out[it]`` gets the XOR of every 64-bit word read (the first word of each 64-byte
+    line), so nothing can be skipped.
 
-    items: ``[n, 5]`` int64 from ``plan`` (row, head, first block, end block, tail); k8/v8: the key and value
-    pools as flat uint8, k64/v64 the same bytes as uint64; tables: ``[batch, max_blocks]`` int32;
-    krow/vrow: payload bytes per row; out: ``[n]`` uint64.
+    items: ``[n, 5]`` int64 from ``plan`` (row, head, first block, end block, tail); runs: from
+    ``thread_runs``; k8/v8: the key and value pools as flat uint8, k64/v64 the same bytes as uint64;
+    tables: ``[batch, max_blocks]`` int32; seq_lens: ``[batch]`` int32 (prefetches run on to the row's last
+    sealed block, as the kernel's do); krow/vrow: payload bytes per row; out: ``[n]`` uint64.
     """
-    for it in range(i0, i1):
+    it = take_item(runs, t)
+    while it >= 0:
         b, h, j0, j1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
+        jp = np.int64(seq_lens[b]) // bs
         acc = _U64(0)
         for j in range(j0, j1):
             idx = np.int64(tables[b, j])
             if idx == 0:  # released: the kernel never reads the null block
                 continue
-            far = np.int64(tables[b, j + 2]) if j + 2 < j1 else np.int64(0)
-            near = np.int64(tables[b, j + 1]) if j + 1 < j1 else np.int64(0)
+            far = np.int64(tables[b, j + 2]) if j + 2 < jp else np.int64(0)
+            near = np.int64(tables[b, j + 1]) if j + 1 < jp else np.int64(0)
             for part in range(2):
                 p8 = k8 if part == 0 else v8
                 p64 = k64 if part == 0 else v64
@@ -62,6 +66,7 @@ def read_items(i0, i1, items, k8, k64, v8, v64, tables, kv_heads, bs, krow, vrow
                         _prefetch_l1(p8, nb + o)
                     acc ^= p64[(base + o) >> _U64(3)]
         out[it] = acc
+        it = take_item(runs, t)
 
 
 class BlockRead:
@@ -81,8 +86,8 @@ class BlockRead:
         k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)
-        self.args = (self.items, k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, kv.kv_heads, kv.block_size, krow, vrow,
-                     self.out)  # fmt: skip
+        self.args = (k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, seq_lens, kv.kv_heads, kv.block_size, krow,
+                     vrow, self.out)  # fmt: skip
         blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))
         self.nbytes = blocks * kv.block_size * (krow + vrow)
 
@@ -90,7 +95,7 @@ class BlockRead:
         """One pass over the payload; returns the per-item XOR words (``[n_items]`` uint64)."""
         from kvpack.kernels import cpu
 
-        cpu._run_sliced(read_items, self.items, self.threads, self.args)
+        cpu.run_items(read_items, self.items, self.threads, self.args)
         return self.out
 
 

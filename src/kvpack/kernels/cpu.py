@@ -46,10 +46,10 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 # Shortest stretch of history one work item handles: below this, splitting costs more than it saves.
 MIN_CHUNK_TOKENS = 512
-# Work items per thread (long sequences are cut into chunks to reach it), and slices of them per thread
-# (see _run_sliced: each thread walks its own run of slices in order; idle threads take from the others).
-_ITEMS_PER_THREAD = 4
-_SLICES_PER_THREAD = 8
+# Work items per thread (long sequences are cut into chunks to reach it): each thread walks its own run of
+# them in order and idle threads take from the others (see run_items), so the threads finish within
+# about one item of each other.
+_ITEMS_PER_THREAD = 32
 # Below this many blocks of work a call stays on the calling thread (a hand-off costs ~20 us).
 _SERIAL_BLOCKS = 64
 # Integer dot products (see cpu_numba._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
@@ -353,7 +353,6 @@ def decode_attention(
     pacc = np.empty((n, g, d), np.float32)
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     args = (
-        items,
         qf,
         _views(kv.k_data),
         _views(kv.k_scale),
@@ -380,7 +379,7 @@ def decode_attention(
         _views(kv.k_outlier),
         _views(kv.k_outlier_idx),
     )
-    _run_sliced(nbm.work, items, threads, args)
+    run_items(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
     extra = _NO_PARTIALS
@@ -431,60 +430,43 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-class _Runs:
-    """Slices ``0 .. slices-1`` split into one contiguous run per thread; :meth:`take` hands out a thread's
-    next slice in order, or once its run is done the last slice of the run with the most left."""
-
-    def __init__(self, slices: int, threads: int) -> None:
-        self.runs = [[slices * t // threads, slices * (t + 1) // threads] for t in range(threads)]  # [next, end)
-        self.lock = threading.Lock()
-
-    def take(self, t: int) -> int | None:
-        with self.lock:
-            run = self.runs[t]
-            if run[0] < run[1]:
-                run[0] += 1
-                return run[0] - 1
-            run = max(self.runs, key=lambda r: r[1] - r[0])
-            if run[0] < run[1]:
-                run[1] -= 1
-                return run[1]
-            return None
+def thread_runs(items: np.ndarray, threads: int) -> np.ndarray:
+    """Each thread's run of work items for :func:`cpu_numba.take_item`: ``threads`` contiguous runs of about
+    equal cost (blocks + tail + 1 per item), ``[threads]`` int64 words (:func:`cpu_numba.pack_run`)."""
+    nbm = _nb()
+    n = items.shape[0]
+    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1) if n else np.zeros(0, np.int64)
+    total = cost[-1] if n else 0
+    cuts = [0, *(int(np.searchsorted(cost, total * t / threads, side="right")) for t in range(1, threads)), n]
+    return np.array([nbm.pack_run(cuts[t], max(cuts[t], cuts[t + 1])) for t in range(threads)], np.int64)
 
 
-def _run_sliced(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
-    """Run ``fn(i0, i1, *args)`` over contiguous slices of ``items``, in parallel.
+def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
+    """Run ``fn(t, runs, items, *args)`` on ``threads`` threads (the caller's is thread 0), once each.
 
-    The compiled function releases the GIL. The items are cut into ``_SLICES_PER_THREAD`` slices of equal
-    cost per thread, and each thread (the caller's included) owns a contiguous run of them that it walks in
-    order: items come sequence by sequence, kv head by kv head, and a kv head's blocks sit right after the
-    previous head's in every block, so part of the next item is already in the last-level cache when a
-    thread gets to it (measured: int8 at 32k, one thread, heads in order 14.5 ms, in reverse 17.0, every
-    other head 18.5). A thread whose run is done takes the last slice of the run with the most left, so a
-    core that is busy with something else ends up doing less. Small calls run on the calling thread.
+    ``fn`` is compiled, releases the GIL and takes its items with :func:`cpu_numba.take_item` from ``runs``
+    (:func:`thread_runs`): each thread walks its own contiguous run in order (items come sequence by
+    sequence, kv head by kv head, and a kv head's blocks sit right after the previous head's in every
+    block, so part of the next item is already in the last-level cache when a thread gets to it; measured:
+    int8 at 32k, one thread, heads in order 14.5 ms, in reverse 17.0, every other head 18.5), then takes
+    the last items of the run with the most left, so a core that is busy with something else ends up doing
+    less, and the threads finish within about one item of each other. One call per thread, not per slice:
+    a numba call with this many arguments costs ~5-20 us under the GIL. Small calls run on the calling
+    thread alone.
     """
     global _pool
     n = items.shape[0]
-    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1)
-    if threads <= 1 or n <= 1 or cost[-1] < _SERIAL_BLOCKS:
-        fn(0, n, *args)
+    blocks = int(np.sum(items[:, 3] - items[:, 2] + items[:, 4] + 1)) if n else 0
+    if threads <= 1 or n <= 1 or blocks < _SERIAL_BLOCKS:
+        fn(0, thread_runs(items, 1), items, *args)
         return
-    slices = min(n, threads * _SLICES_PER_THREAD)
-    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, slices) / slices, side="right")
-    bounds = [0, *sorted({int(c) for c in cuts if 0 < c < n}), n]
-    slices = len(bounds) - 1
-    threads = min(threads, slices)
+    threads = min(threads, n)
+    runs = thread_runs(items, threads)
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:
             _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvpack-cpu")
         pool = _pool
-    runs = _Runs(slices, threads)
-
-    def worker(t: int) -> None:
-        while (i := runs.take(t)) is not None:
-            fn(bounds[i], bounds[i + 1], *args)
-
-    futures = [pool.submit(worker, t) for t in range(1, threads)]
-    worker(0)
+    futures = [pool.submit(fn, t, runs, items, *args) for t in range(1, threads)]
+    fn(0, runs, items, *args)
     for f in futures:
         f.result()

@@ -52,8 +52,11 @@ on int32 order keys (:func:`_order_key`: LLVM keeps float max reductions scalar)
 file of the cached function only, so helpers (the IR text generators included) kept in another file
 could be served stale.
 
-Long histories are split into chunks of blocks (work items: batch x kv_heads x chunks) that threads run
-in parallel; chunk results ``(max, sum, acc)`` are merged with log-sum-exp (:func:`merge`).
+Long histories are split into chunks of blocks (work items: batch x kv_heads x chunks). Each thread calls
+:func:`work` once and takes items from a shared lock-free queue (:func:`take_item`: its own run in order,
+then the tail ends of the others'); a thread that takes the item after the one it just did carries the
+softmax state on, so only items taken by different threads leave separate results ``(max, sum, acc)``,
+merged with log-sum-exp (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -201,6 +204,82 @@ def _prefetch_intrinsic(locality: int):
 
 _prefetch = _prefetch_intrinsic(2)  # into L2: rows and scales of the block after next
 _prefetch_l1 = _prefetch_intrinsic(3)  # into L1 (the integer loops emit their own; see _ir_prefetch)
+
+
+def _slot_pointer(context, builder, aryty, ary_val, idx):
+    """Pointer to element ``idx`` of a 1-D array (no bounds or wraparound check)."""
+    ary = context.make_array(aryty)(context, builder, ary_val)
+    return cgutils.get_item_pointer2(context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+                                     strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
+                                     inds=[idx], wraparound=False)  # fmt: skip
+
+
+@intrinsic
+def _atomic_load(typingctx, arr, idx):
+    """``arr[idx]`` of an int64 array read atomically (sequentially consistent)."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.int64 or arr.ndim != 1:
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def _cas(typingctx, arr, idx, old, new):
+    """Compare-and-swap ``arr[idx]`` (int64 array) from ``old`` to ``new``; returns the value it held (the swap
+    happened if that equals ``old``)."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.int64 or arr.ndim != 1:
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _slot_pointer(context, builder, signature.args[0], args[0], args[1])
+        old_v = context.cast(builder, args[2], signature.args[2], types.int64)
+        new_v = context.cast(builder, args[3], signature.args[3], types.int64)
+        return builder.extract_value(builder.cmpxchg(ptr, old_v, new_v, "seq_cst", "seq_cst"), 0)
+
+    return types.int64(arr, idx, old, new), codegen
+
+
+_RUN_MASK = np.int64(0xFFFFFFFF)
+
+
+def pack_run(first: int, end: int) -> int:
+    """One thread's run of work items ``[first, end)`` as the int64 word :func:`take_item` works on."""
+    return int(first) | (int(end) << 32)
+
+
+@njit(**_NOREF)
+def take_item(runs, t):
+    """The next work item for thread ``t``, or -1 when none is left anywhere.
+
+    runs: ``[threads]`` int64, each thread's run of items ``[first, end)`` packed as ``first | end << 32``
+    (:func:`pack_run`), shared by the threads. A thread takes its own run upwards, in order (a kv head's
+    blocks sit next to the previous head's, so the next item is partly in the last-level cache already);
+    once its run is done it takes the last item of the run with the most left. Lock-free: each take is one
+    compare-and-swap on the run's word, retried if another thread changed it first."""
+    while True:
+        cur = _atomic_load(runs, t)
+        first, end = cur & _RUN_MASK, cur >> 32
+        if first < end:
+            if _cas(runs, t, cur, (first + 1) | (end << 32)) == cur:
+                return first
+            continue
+        best = -1
+        most = np.int64(0)
+        seen = np.int64(0)
+        for r in range(runs.shape[0]):
+            c = _atomic_load(runs, r)
+            left = (c >> 32) - (c & _RUN_MASK)
+            if left > most:
+                best, most, seen = r, left, c
+        if best < 0:
+            return -1
+        last = (seen >> 32) - 1
+        if _cas(runs, best, seen, (seen & _RUN_MASK) | (last << 32)) == seen:
+            return last
 
 
 @njit(**_NOREF)
@@ -1164,20 +1243,21 @@ def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc,
 
 
 @njit(inline="always", **_NOREF)
-def _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, rs, t):
+def _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, rs, t):
     """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
     prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
     it measured slower: int4 and int2 at head_dim 128, int8 at 64)."""
-    if tail or j + 1 >= j1 or rs < 128:
+    if tail or j + 1 >= jp or rs < 128:
         return U64(0)
     nxt = np.int64(tables[b, j + 1])
     return U64(nxt * kv_heads + h) * U64(bs) * rs + U64(t) * rs if nxt else U64(0)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, lo, tail, h, kv_heads, bs, st, kout,
-            kidx):  # fmt: skip
-    """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only.
+def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
+            kout, kidx):  # fmt: skip
+    """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only;
+    blocks before ``jp`` (``>= j1``) may be prefetched: the thread's next work item may go on from ``j1``.
 
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
     tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; for the tail, kpay/vpay are the tails'
@@ -1237,7 +1317,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
         t0 = max(lo - pos0, 0)
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
         # the block after next is fetched while this one is computed (random block ids: no hardware prefetch)
-        nxt = np.int64(tables[b, j + 2]) if (not tail and j + 2 < j1) else np.int64(0)
+        nxt = np.int64(tables[b, j + 2]) if (not tail and j + 2 < jp) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
         vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs if nxt else U64(0)
         if nxt:  # its scales and zero-points too: a few scattered cache lines per block
@@ -1302,7 +1382,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
             ta = t0 - t0 % 4
             for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
-                kpf1 = _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
+                kpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
                           qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
@@ -1397,7 +1477,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, n, 
                     winv[g] *= vunit
             for g0 in range(0, g_n, 4):
                 vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
-                vpf1 = _near_rows(tables, b, j, j1, tail, kv_heads, h, bs, vrs, ta) if g0 == 0 else U64(0)
+                vpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, vrs, ta) if g0 == 0 else U64(0)
                 _vdot_int(vp[P_KIND], vpay[0], vbase + U64(ta) * vrs, vrs, (tb - ta) // 2, w16, g0 * ngv * bs,
                           2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
         for t in range(t0, t1 if not vint else t0, TILE):
@@ -1457,9 +1537,15 @@ def plan(seq_lens, start_pos, window, block_size, kv_heads, target_items, min_ch
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True)
-def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
+def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
          start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
-    """Run work items ``[i0, i1)`` (releases the GIL: the launcher runs slices on several threads).
+    """Thread ``t``'s share of the work items: it takes them from ``runs`` (:func:`take_item`) until none is
+    left. Releases the GIL: the launcher calls it once on each of its threads.
+
+    When the item a thread takes next continues the one it just did (same row and head, the next blocks),
+    the online softmax state carries on and the finished item's partial is left empty (``pm`` -inf, which
+    the merge skips), so cutting a history into many items costs neither a cold start (the first blocks of
+    an item are not prefetched) nor merge work; only items taken by another thread become partials.
 
     q: ``[batch, Hq, D]`` float32. kpay/vpay: flat (uint8, uint16, float32) views of the payload pools
     ``[num_blocks, H, B, P]``; kscl/vscl, kzero/vzero: flat views of ``[num_blocks, Hs, Ts, Cs]``; kp/vp:
@@ -1496,7 +1582,8 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
           np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32))  # fmt: skip
-    for it in range(i0, i1):
+    it = take_item(runs, t)
+    while it >= 0:
         b = items[it, 0]
         h = items[it, 1]
         n = np.int64(seq_lens[b])
@@ -1517,11 +1604,19 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
         lsum[:] = 0.0
         acc[:] = 0.0
         zacc[:] = 0.0
-        _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n, lo, False, h,
-                kv_heads, bs, st, kout, kidx)  # fmt: skip
-        if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
-            _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, n, lo, True, h, kv_heads, bs, st,
-                    kout, kidx)  # fmt: skip
+        while True:
+            _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs, n, lo,
+                    False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
+            if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
+                _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
+                        bs, st, kout, kidx)  # fmt: skip
+            nx = take_item(runs, t)
+            if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3]:
+                break
+            for g in range(g_n):  # the next item goes on from here: this one's partial is empty
+                pm[it, g] = -np.inf
+                pl[it, g] = _ZERO
+            it = nx
         for g in range(g_n):
             pm[it, g] = m[g]
             pl[it, g] = lsum[g]
@@ -1529,6 +1624,7 @@ def work(i0, i1, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, 
                 for j in range(vdp):
                     c = vper * j + k
                     pacc[it, g, c] = acc[g, k * vdp + j] + zacc[g, c // vgs]
+        it = nx
 
 
 @njit(fastmath=FASTMATH, cache=True)
