@@ -251,3 +251,72 @@ def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPat
     pm = seen["pm"]
     assert len(pm) > 4  # the history was cut into items
     assert np.isneginf(pm[:-1]).all() and np.isfinite(pm[-1]).all()  # one thread ran them as one pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-view state: checked once, contents read live
+
+
+def test_a_cached_view_follows_the_cache_as_it_grows() -> None:
+    """The cache hands out the same view object step after step; the kernel's per-view state (spec vectors,
+    numpy views of pools, tails, tables and lengths) must see every step's new contents."""
+    from kvpack.cache import PagedKVCache
+
+    cache = PagedKVCache("int8,block=16", num_layers=1, kv_heads=2, head_dim=64, num_blocks=64)
+    sids = [cache.add_sequence(), cache.add_sequence()]
+    gen = torch.Generator().manual_seed(3)
+    cache.append(0, sids, torch.randn(2, 2, 21, 64, generator=gen), torch.randn(2, 2, 21, 64, generator=gen))
+    first = cache.view(0, sids)
+    for step in range(40):  # crosses seals (the tail turns into a block) and new block-table entries
+        cache.append(0, sids, torch.randn(2, 2, 1, 64, generator=gen), torch.randn(2, 2, 1, 64, generator=gen))
+        kv = cache.view(0, sids)
+        q = torch.randn(2, 4, 64, generator=gen)
+        got, expected = _run(kv, q)
+        assert_close(got, expected, *_tol(kv), f"step {step}")
+    assert kv is first  # one view object all along: the state was made once and read live
+
+
+def test_view_state_follows_the_integer_path_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [70, 33], kv_heads=2, head_dim=64, seed=8)
+    q = torch.randn(2, 4, 64)
+    for forced in (False, True, False):
+        monkeypatch.setattr(cpu, "INT_DOT", forced)
+        got, expected = _run(kv, q)
+        assert_close(got, expected, *_tol(kv), f"INT_DOT={forced}")
+        assert (cpu._entry(kv).kp[cpu._nb().P_DOT] > 0) == (forced and cpu.int_dot_isa() is not None)
+
+
+def test_a_bad_view_is_refused_on_every_call_and_its_state_goes_with_it() -> None:
+    import dataclasses
+    import gc
+
+    kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [40], kv_heads=2, head_dim=64, seed=1)
+    bad = dataclasses.replace(kv, tail_v=kv.tail_v[:, :, :8])  # a tail of the wrong length
+    q = torch.randn(1, 4, 64)
+    for _ in range(2):  # a failed check leaves nothing that lets the next call through
+        with pytest.raises(KVPackError, match="tails must be"):
+            cpu.decode_attention(q, bad)
+    before = len(cpu._states)
+    probe = dataclasses.replace(kv)
+    cpu.decode_attention(q, probe)
+    assert len(cpu._states) == before + 1
+    del probe
+    gc.collect()
+    assert len(cpu._states) == before  # dropped with its view: no pools kept alive
+
+
+def test_non_contiguous_tensors_are_read_afresh_every_call() -> None:
+    import dataclasses
+
+    kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [50, 23], kv_heads=2, head_dim=64, seed=4)
+    wide = torch.randn(2, 2, 16, 128)
+    wide[..., :64] = kv.tail_k
+    strided = dataclasses.replace(kv, tail_k=wide[..., :64])  # a view with row stride 128: not contiguous
+    assert not strided.tail_k.is_contiguous()
+    q = torch.randn(2, 4, 64)
+    got, expected = _run(strided, q)
+    assert_close(got, expected, *_tol(kv), "strided tail")
+    strided.tail_k.mul_(-1.0)  # new contents in place: the next call must read them
+    got2, expected2 = _run(strided, q)
+    assert not torch.allclose(expected, expected2)
+    assert_close(got2, expected2, *_tol(kv), "strided tail, changed")

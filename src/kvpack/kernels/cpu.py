@@ -12,9 +12,11 @@ path serves everything else.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -95,19 +97,124 @@ def _spec_reasons(spec: QuantSpec, head_dim: int, role: str) -> list[str]:
 
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
     """Why the CPU kernel cannot run this case (empty list: it can)."""
+    entry = _entry(kv)
+    if entry.reasons is None:
+        entry.reasons = _view_reasons(kv)
+    reasons = list(entry.reasons)
+    if q.device.type != "cpu":
+        reasons.append(f"tensors must be on the CPU (q on {q.device}); use the triton backend")
+    if q.dtype not in _FLOATS:
+        reasons.append(f"q dtype {q.dtype} is not float32/float16/bfloat16")
+    return reasons
+
+
+def _view_reasons(kv: PagedKV) -> list[str]:
+    """The reasons that depend on the view alone (computed once per view)."""
     reasons = []
     missing = _numba_missing()
     if missing:
         reasons.append(missing)
-    if q.device.type != "cpu" or kv.device.type != "cpu" or kv.k_data.device.type != "cpu":
-        reasons.append(f"tensors must be on the CPU (q on {q.device}, cache on {kv.device}); use the triton backend")
-    if q.dtype not in _FLOATS:
-        reasons.append(f"q dtype {q.dtype} is not float32/float16/bfloat16")
+    if kv.device.type != "cpu" or kv.k_data.device.type != "cpu":
+        reasons.append(f"tensors must be on the CPU (cache on {kv.device}); use the triton backend")
     if kv.tail_k.dtype not in _FLOATS or kv.tail_v.dtype != kv.tail_k.dtype:
         reasons.append(f"tails must share one of float32/float16/bfloat16, got {kv.tail_k.dtype}/{kv.tail_v.dtype}")
     reasons += _spec_reasons(kv.format.key, kv.head_dim, "keys")
     reasons += _spec_reasons(kv.format.value, kv.head_dim, "values")
     return reasons
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-view state
+
+
+class _ViewState:
+    """What the kernel needs of one :class:`PagedKV` that holds while the view lives.
+
+    A view is frozen, and the cache hands out the same view object step after step until its layout changes
+    (:meth:`kvpack.cache.PagedKVCache.view`), so its tensors are the same objects, with the same shapes, on
+    every call; only their contents change, and numpy views of contiguous tensors share their memory. So the
+    structural checks, the spec vectors and the numpy views are made once per view (on the CPU, with the
+    caches cold after a long kernel pass, they cost ~0.2 ms a call). Contents (lengths, block ids, outlier
+    channels) and the query are still checked on every call. A tensor that is not contiguous gets None: its
+    views are made (copied) on every call.
+    """
+
+    def __init__(self) -> None:
+        self.reasons: list[str] | None = None  # reasons_unsupported's view part
+        self.ready = False  # the fields below are filled (the view passed its checks)
+        self.int_dot = False  # int_dot_enabled() when they were: the spec vectors depend on it
+        self.kp = self.vp = self.tpk = self.tpv = np.empty(0, np.int64)
+        self.k_data: tuple | None = None
+        self.v_data: tuple | None = None
+        self.views: tuple = ()  # k_scale, k_zero, v_scale, v_zero, k_outlier, k_outlier_idx
+        self.tails: tuple | None = None
+        self.tables: np.ndarray | None = None
+        self.seq_lens: np.ndarray | None = None
+        self.sinks: tuple | None = None
+
+
+_states: dict[int, tuple[weakref.ref, _ViewState]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    hit = _states.get(key)
+    if hit is not None and hit[0] is ref:
+        del _states[key]
+
+
+def _entry(kv: PagedKV) -> _ViewState:
+    """The state kept for ``kv`` (a fresh one the first time; dropped when ``kv`` is garbage)."""
+    key = id(kv)
+    hit = _states.get(key)
+    if hit is not None and hit[0]() is kv:
+        return hit[1]
+    state = _ViewState()
+    _states[key] = (weakref.ref(kv, functools.partial(_forget, key)), state)
+    return state
+
+
+def _live(t: torch.Tensor | None) -> tuple | None:
+    """:func:`_views` of ``t`` if they share its memory (None: ``t`` must be converted on every call)."""
+    return _views(t) if t is None or t.is_contiguous() else None
+
+
+def _live_array(t: torch.Tensor) -> np.ndarray | None:
+    return t.numpy() if t.is_contiguous() else None
+
+
+def _prepare(kv: PagedKV) -> _ViewState:
+    """``kv``'s checked structure, spec vectors and numpy views (see :class:`_ViewState`)."""
+    state = _entry(kv)
+    dot = int_dot_enabled()
+    if state.ready and state.int_dot == dot:
+        return state
+    _check_view(kv)
+    nbm = _nb()
+    kp = _params(kv.format.key, kv, kv.k_data, "key")
+    vp = _params(kv.format.value, kv, kv.v_data, "value")
+    if kv.v_data.shape[0] != kv.k_data.shape[0]:
+        raise ShapeError(f"key and value pools differ in blocks: {kv.k_data.shape[0]} vs {kv.v_data.shape[0]}")
+    tpk, tpv = kp.copy(), vp.copy()
+    for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
+        tp[:] = 0
+        tp[nbm.P_KIND] = nbm.FLT
+        tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
+        tp[nbm.P_PER] = src[nbm.P_PER]
+        tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
+        tp[nbm.P_ROW] = kv.head_dim
+    state.kp, state.vp, state.tpk, state.tpv = kp, vp, tpk, tpv
+    state.k_data, state.v_data = _live(kv.k_data), _live(kv.v_data)
+    state.views = tuple(_live(t) for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier,
+                                           kv.k_outlier_idx))  # fmt: skip
+    tails = (_live(kv.tail_k), _live(kv.tail_v))
+    state.tails = tails if all(x is not None for x in tails) else None
+    state.tables, state.seq_lens = _live_array(kv.block_tables), _live_array(kv.seq_lens)
+    sinks = None
+    if kv.sink_k is not None and kv.sink_k.dtype == torch.float32:
+        sinks = (_live_array(kv.sink_k), _live_array(kv.sink_v))
+    state.sinks = sinks if sinks is not None and all(x is not None for x in sinks) else None
+    state.int_dot, state.ready = dot, True
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,12 +349,18 @@ def _check_scales(spec: QuantSpec, kv: PagedKV, scale: torch.Tensor | None, zero
             )
 
 
-def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+    """What must be checked on every call: the query and the output buffer."""
     h, d = kv.kv_heads, kv.head_dim
     if q.dim() != 3 or q.shape[0] != kv.batch or q.shape[2] != d or q.shape[1] % h:
         raise ShapeError(f"q must be [batch={kv.batch}, Hq (a multiple of {h}), D={d}], got {tuple(q.shape)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
+
+
+def _check_view(kv: PagedKV) -> None:
+    """The view's structure: shapes and dtypes of its tensors (checked once per view, see :func:`_prepare`)."""
+    h, d = kv.kv_heads, kv.head_dim
     want_tail = (kv.batch, h, kv.block_size, d)
     if tuple(kv.tail_k.shape) != want_tail or tuple(kv.tail_v.shape) != want_tail:
         raise ShapeError(f"tails must be {list(want_tail)}, got {tuple(kv.tail_k.shape)} / {tuple(kv.tail_v.shape)}")
@@ -280,6 +393,11 @@ def _check_outliers(kv: PagedKV) -> None:
             f"k_outlier_idx must be [{nb}, {h}, {k}] uint8 (int16 past head_dim 256), "
             f"got {tuple(kv.k_outlier_idx.shape)} {kv.k_outlier_idx.dtype}"
         )
+
+
+def _check_outlier_channels(kv: PagedKV) -> None:
+    """The kept channels of the blocks the tables use lie in ``[0, head_dim)`` (contents: every call)."""
+    nb = kv.k_data.shape[0]
     t = kv.block_tables
     used = kv.k_outlier_idx[t[(t > 0) & (t < nb)].long()]  # the null block is never read (bad ids: checked later)
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv.head_dim):
@@ -314,34 +432,25 @@ def decode_attention(
             :func:`kvpack.kernels.decode_attention`, which rotates the query.
     """
     refuse_rotated(kv)
-    _check(q, kv, out)
+    prep = _prepare(kv)
+    _check_call(q, kv, out)
     nbm = _nb()
     d = kv.head_dim
     b = kv.block_size
     num_blocks = kv.k_data.shape[0]
-    kp = _params(kv.format.key, kv, kv.k_data, "key")
-    vp = _params(kv.format.value, kv, kv.v_data, "value")
-    if kv.v_data.shape[0] != num_blocks:
-        raise ShapeError(f"key and value pools differ in blocks: {num_blocks} vs {kv.v_data.shape[0]}")
-    tables = kv.block_tables.contiguous().numpy()
-    seq_lens = kv.seq_lens.contiguous().numpy()
+    tables = prep.tables if prep.tables is not None else kv.block_tables.contiguous().numpy()
+    seq_lens = prep.seq_lens if prep.seq_lens is not None else kv.seq_lens.contiguous().numpy()
     if seq_lens.size and seq_lens.min() < 1:
         raise ShapeError(f"every sequence needs at least one token (its query's own), got seq_lens {seq_lens.tolist()}")
     if seq_lens.size and int(seq_lens.max()) // b > tables.shape[1]:
         raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
     if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
         raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
+    if kv.k_outlier is not None:
+        _check_outlier_channels(kv)
     start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
     sink_len = np.minimum(seq_lens // b * b, kv.sink) if kv.sink else None  # sink positions each row reads
     kernel_start = start if sink_len is None else np.maximum(start, sink_len).astype(np.int32)
-    tpk, tpv = kp.copy(), vp.copy()
-    for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
-        tp[:] = 0
-        tp[nbm.P_KIND] = nbm.FLT
-        tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
-        tp[nbm.P_PER] = src[nbm.P_PER]
-        tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
-        tp[nbm.P_ROW] = d
     win = -1 if window is None else int(window)
     threads = max(1, torch.get_num_threads())
     items, first = plan_items(seq_lens, kernel_start, win, b, kv.kv_heads, threads)
@@ -352,20 +461,25 @@ def decode_attention(
     pl = np.empty((n, g), np.float32)
     pacc = np.empty((n, g, d), np.float32)
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    ks, kz, vs, vz, ko, ki = (
+        v if v is not None else _views(t)
+        for v, t in zip(prep.views, (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier, kv.k_outlier_idx))
+    )
+    tk, tv = prep.tails if prep.tails is not None else (_views(kv.tail_k), _views(kv.tail_v))
     args = (
         qf,
-        _views(kv.k_data),
-        _views(kv.k_scale),
-        _views(kv.k_zero),
-        kp,
-        _views(kv.v_data),
-        _views(kv.v_scale),
-        _views(kv.v_zero),
-        vp,
-        _views(kv.tail_k),
-        _views(kv.tail_v),
-        tpk,
-        tpv,
+        prep.k_data or _views(kv.k_data),
+        ks,
+        kz,
+        prep.kp,
+        prep.v_data or _views(kv.v_data),
+        vs,
+        vz,
+        prep.vp,
+        tk,
+        tv,
+        prep.tpk,
+        prep.tpv,
         tables,
         seq_lens,
         kernel_start,
@@ -376,8 +490,8 @@ def decode_attention(
         pm,
         pl,
         pacc,
-        _views(kv.k_outlier),
-        _views(kv.k_outlier_idx),
+        ko,
+        ki,
     )
     run_items(nbm.work, items, threads, args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
@@ -385,7 +499,7 @@ def decode_attention(
     extra = _NO_PARTIALS
     if sink_len is not None:
         lo = start if window is None else np.maximum(start, seq_lens - int(window))
-        extra = _sink_partials(qf, kv, sink_len, lo, sm * _LOG2E)
+        extra = _sink_partials(qf, kv, prep.sinks, sink_len, lo, sm * _LOG2E)
     nbm.merge(first, kv.kv_heads, pm, pl, pacc, *extra, res)
     if direct:
         return out
@@ -399,11 +513,12 @@ def decode_attention(
 _NO_PARTIALS = (np.empty((0, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 1, 1), np.float32))
 
 
-def _sink_partials(qf, kv, sink_len, lo, scale_log2):
-    """The sink rows ``[lo, sink_len)`` of each (sequence, kv head) as one more partial for the merge."""
+def _sink_partials(qf, kv, sinks, sink_len, lo, scale_log2):
+    """The sink rows ``[lo, sink_len)`` of each (sequence, kv head) as one more partial for the merge
+    (``sinks``: live float32 views of ``kv.sink_k`` / ``kv.sink_v`` when there are, else None)."""
     from kvpack.kernels.cpu_sink import sink_partials
 
-    sk, sv = (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
+    sk, sv = sinks if sinks is not None else (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
     return sink_partials(qf, sk, sv, sink_len.astype(np.int64), lo.astype(np.int64), scale_log2)
 
 
