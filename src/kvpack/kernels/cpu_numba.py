@@ -946,9 +946,10 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                 lines += [f"  %gb{e}{h}b = add i64 %bo{e}, {16 * h + 8}", f"  %gr{e}{h}b = udiv i64 %gb{e}{h}b, %span",
                           f"  %go{e}{h}b = mul i64 %gr{e}{h}b, %wgrp"]  # fmt: skip
     lines += [
-        "  %first = icmp eq i64 %ui, 0",
-        "  %pfu = select i1 %first, ptr %pf, ptr null",
-        "  %pfu1 = select i1 %first, ptr %pf1, ptr null",
+        # each pass over the rows prefetches its share of them: the pass's slice of each pair's bytes
+        "  %npass = udiv i64 %nu, 2",
+        "  %slice = udiv i64 %rs2, %npass",
+        "  %soff = mul i64 %ui, %slice",
         "  br label %ploop",
         "ploop:",
         "  %pi = phi i64 [0, %unit], [%pi.next, %ploop.body]",
@@ -957,10 +958,10 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     for n in range(16):  # accumulator n: head n // 4, unit (n % 4) // 2, half n % 2
         lines.append(f"  %a{n}.in = phi <16 x i32> [zeroinitializer, %unit], [%a{n}.out, %ploop.body]")
         last[n] = f"%a{n}.in"
-    lines += ["  %pro = mul i64 %pi, %rs2"]
-    lines += [*_ir_prefetch("%pfu", "%pro", "%rs2", "ploop", "ploop1"), "ploop1:"]
+    lines += ["  %pro.a = mul i64 %pi, %rs2", "  %pro = add i64 %pro.a, %soff"]
+    lines += [*_ir_prefetch("%pf", "%pro", "%slice", "ploop", "ploop1"), "ploop1:"]
     if per == 1:  # and the next block into L1 (see _kdot_ir)
-        lines += _ir_prefetch("%pfu1", "%pro", "%rs2", "ploop1", "ploop.body", 3)
+        lines += _ir_prefetch("%pf1", "%pro", "%slice", "ploop1", "ploop.body", 3)
     else:
         lines += ["  br label %ploop.body"]
     lines += ["ploop.body:"]
