@@ -263,6 +263,12 @@ def test_bad_input_raises_shape_errors() -> None:
         cpu.decode_attention(q, dataclasses.replace(kv, block_tables=bad_tables))
     with pytest.raises(ShapeError, match="at least one token"):
         cpu.decode_attention(q, dataclasses.replace(kv, seq_lens=torch.tensor([0, 40], dtype=torch.int32)))
+    with pytest.raises(ShapeError, match="too few for seq_len"):
+        cpu.decode_attention(q, dataclasses.replace(kv, block_tables=kv.block_tables[:, :1].clone()))
+    # the same view, its contents changed in place: checked on every call, and nothing is left changed
+    kv.block_tables[1, 0] = -3
+    with pytest.raises(ShapeError, match="outside"):
+        cpu.decode_attention(q, kv)
     with pytest.raises(ShapeError, match="payload dtype"):
         cpu.decode_attention(q, dataclasses.replace(kv, k_data=kv.k_data.view(torch.uint8)))
     with pytest.raises(ShapeError, match="key scale"):

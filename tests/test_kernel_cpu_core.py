@@ -185,6 +185,24 @@ def test_threads_run_every_work_item_exactly_once(threads: int, n: int) -> None:
     assert all(bounds[t][1] == bounds[t + 1][0] for t in range(threads - 1))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_launch_plan_cuts_the_same_runs_as_the_launcher(threads: int) -> None:
+    nb = cpu._nb()
+    seq_lens = np.array([3000, 17, 900, 64], np.int32)
+    tables = np.arange(1, 4 * 60 + 1, dtype=np.int32).reshape(4, 60)
+    start = np.array([0, 0, 100, 0], np.int32)
+    err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = nb.launch_plan(
+        seq_lens, tables, start, 700, 64, 2, 1000, 1, 8 * threads, 8, threads, 1, 4, 64
+    )
+    assert err == 0
+    want_items, want_first = cpu.plan_items(seq_lens, kstart, 700, 64, 2, threads)
+    assert np.array_equal(items, want_items) and np.array_equal(first, want_first)
+    assert np.array_equal(runs, cpu.thread_runs(items, min(threads, len(items))))
+    assert kstart.tolist() == [1, 0, 100, 1] and sink_len.tolist() == [1, 0, 1, 1]  # sink rows (sealed ones) apart
+    assert lo.tolist() == [2300, 0, 200, 0]  # window 700 and start_pos
+    assert pm.shape == pl.shape == (len(items), 4) and pacc.shape == (len(items), 4, 64)
+
+
 def test_each_thread_walks_its_own_run_upwards_then_takes_from_the_longest_run() -> None:
     nb = cpu._nb()
     runs = np.array([nb.pack_run(0, 3), nb.pack_run(3, 6), nb.pack_run(6, 10)], np.int64)

@@ -440,26 +440,19 @@ def decode_attention(
     num_blocks = kv.k_data.shape[0]
     tables = prep.tables if prep.tables is not None else kv.block_tables.contiguous().numpy()
     seq_lens = prep.seq_lens if prep.seq_lens is not None else kv.seq_lens.contiguous().numpy()
-    if seq_lens.size and seq_lens.min() < 1:
-        raise ShapeError(f"every sequence needs at least one token (its query's own), got seq_lens {seq_lens.tolist()}")
-    if seq_lens.size and int(seq_lens.max()) // b > tables.shape[1]:
-        raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
-    if tables.size and (tables.min() < 0 or tables.max() >= num_blocks):
-        raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
     if kv.k_outlier is not None:
         _check_outlier_channels(kv)
-    start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
-    sink_len = np.minimum(seq_lens // b * b, kv.sink) if kv.sink else None  # sink positions each row reads
-    kernel_start = start if sink_len is None else np.maximum(start, sink_len).astype(np.int32)
+    start = _NO_START if kv.start_pos is None else kv.start_pos.contiguous().numpy()
     win = -1 if window is None else int(window)
     threads = max(1, torch.get_num_threads())
-    items, first = plan_items(seq_lens, kernel_start, win, b, kv.kv_heads, threads)
-    qf = q.detach().float().contiguous().numpy()
     g = q.shape[1] // kv.kv_heads
-    n = items.shape[0]
-    pm = np.empty((n, g), np.float32)
-    pl = np.empty((n, g), np.float32)
-    pacc = np.empty((n, g, d), np.float32)
+    err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.launch_plan(
+        seq_lens, tables, start, win, b, kv.kv_heads, num_blocks, kv.sink, _ITEMS_PER_THREAD * threads,
+        max(1, MIN_CHUNK_TOKENS // b), threads, _SERIAL_BLOCKS, g, d
+    )  # fmt: skip
+    if err:
+        _raise_contents(err, seq_lens, tables, num_blocks)
+    qf = q.detach().float().contiguous().numpy()
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     ks, kz, vs, vz, ko, ki = (
         v if v is not None else _views(t)
@@ -493,12 +486,11 @@ def decode_attention(
         ko,
         ki,
     )
-    run_items(nbm.work, items, threads, args)
+    run_items(nbm.work, items, threads, args, runs)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
     extra = _NO_PARTIALS
-    if sink_len is not None:
-        lo = start if window is None else np.maximum(start, seq_lens - int(window))
+    if kv.sink:
         extra = _sink_partials(qf, kv, prep.sinks, sink_len, lo, sm * _LOG2E)
     nbm.merge(first, kv.kv_heads, pm, pl, pacc, *extra, res)
     if direct:
@@ -507,6 +499,18 @@ def decode_attention(
     if out is not None:
         return out.copy_(result)
     return result.to(q.dtype)
+
+
+_NO_START = np.zeros(0, np.int32)  # launch_plan's start_pos when there is none (0 for every row)
+
+
+def _raise_contents(err: int, seq_lens: np.ndarray, tables: np.ndarray, num_blocks: int) -> None:
+    """The :class:`ShapeError` for :func:`cpu_numba.launch_plan`'s error code."""
+    if err == 1:
+        raise ShapeError(f"every sequence needs at least one token (its query's own), got seq_lens {seq_lens.tolist()}")
+    if err == 2:
+        raise ShapeError(f"block_tables has {tables.shape[1]} columns, too few for seq_len {int(seq_lens.max())}")
+    raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
 
 
 # merge's extra partial per (sequence, kv head) when there is none: arrays with no rows
@@ -519,7 +523,7 @@ def _sink_partials(qf, kv, sinks, sink_len, lo, scale_log2):
     from kvpack.kernels.cpu_sink import sink_partials
 
     sk, sv = sinks if sinks is not None else (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
-    return sink_partials(qf, sk, sv, sink_len.astype(np.int64), lo.astype(np.int64), scale_log2)
+    return sink_partials(qf, sk, sv, sink_len, lo, scale_log2)
 
 
 def plan_items(
@@ -556,7 +560,7 @@ def thread_runs(items: np.ndarray, threads: int) -> np.ndarray:
     return np.array([nbm.pack_run(cuts[t], max(cuts[t], cuts[t + 1])) for t in range(threads)], np.int64)
 
 
-def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
+def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.ndarray | None = None) -> None:
     """Run ``fn(t, runs, items, *args)`` on ``threads`` threads (the caller's is thread 0), once each.
 
     ``fn`` is compiled, releases the GIL and takes its items with :func:`cpu_numba.take_item` from ``runs``
@@ -567,16 +571,19 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
     the last items of the run with the most left, so a core that is busy with something else ends up doing
     less, and the threads finish within about one item of each other. One call per thread, not per slice:
     a numba call with this many arguments costs ~5-20 us under the GIL. Small calls run on the calling
-    thread alone.
+    thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_numba.launch_plan`), one
+    thread per run.
     """
     global _pool
-    n = items.shape[0]
-    blocks = int(np.sum(items[:, 3] - items[:, 2] + items[:, 4] + 1)) if n else 0
-    if threads <= 1 or n <= 1 or blocks < _SERIAL_BLOCKS:
-        fn(0, thread_runs(items, 1), items, *args)
+    if runs is None:
+        n = items.shape[0]
+        blocks = int(np.sum(items[:, 3] - items[:, 2] + items[:, 4] + 1)) if n else 0
+        serial = threads <= 1 or n <= 1 or blocks < _SERIAL_BLOCKS
+        runs = thread_runs(items, 1 if serial else min(threads, n))
+    threads = runs.shape[0]
+    if threads == 1:
+        fn(0, runs, items, *args)
         return
-    threads = min(threads, n)
-    runs = thread_runs(items, threads)
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:
             _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvpack-cpu")

@@ -1537,6 +1537,73 @@ def plan(seq_lens, start_pos, window, block_size, kv_heads, target_items, min_ch
     return items, first
 
 
+@njit(cache=True)
+def launch_plan(seq_lens, tables, start_pos, window, block_size, kv_heads, num_blocks, sink, target_items, min_chunk,
+                threads, serial_blocks, g_n, d):  # fmt: skip
+    """Everything a call needs between its arguments and its threads, in one compiled call (each numpy call
+    or numba dispatch costs tens of microseconds with the caches cold after a kernel pass).
+
+    seq_lens, start_pos: ``[batch]`` int32; tables: ``[batch, max_blocks]`` int32; window: -1 for none; sink:
+    leading positions read from the sink rows (0: none). Returns ``(err, items, first, runs, kernel_start,
+    sink_len, lo, pm, pl, pacc)``: ``err`` 0, or 1 (a sequence without tokens), 2 (too few table columns),
+    3 (a block id outside the pools), and then the rest empty; the work items and the threads' runs
+    (:func:`plan`, :func:`take_item`; one run when the work is under ``serial_blocks``); the first position the
+    kernel reads per row (past the sink rows), the sink positions each row reads and the first attended
+    position; the partial results ``[n, G]``, ``[n, G]``, ``[n, G, D]`` float32.
+    """
+    batch = seq_lens.shape[0]
+    err = 0
+    for b in range(batch):
+        if seq_lens[b] < 1:
+            err = 1
+            break
+    if err == 0:
+        for b in range(batch):
+            if seq_lens[b] // block_size > tables.shape[1]:
+                err = 2
+                break
+    if err == 0:
+        for b in range(batch):
+            for j in range(tables.shape[1]):
+                if tables[b, j] < 0 or tables[b, j] >= num_blocks:
+                    err = 3
+    kernel_start = np.empty(batch, np.int32)
+    sink_len = np.zeros(batch, np.int64)
+    lo = np.empty(batch, np.int64)
+    for b in range(batch):
+        n = np.int64(seq_lens[b])
+        s0 = np.int64(start_pos[b]) if start_pos.shape[0] else np.int64(0)
+        sink_len[b] = min(n // block_size * block_size, sink)
+        kernel_start[b] = max(s0, sink_len[b])
+        lo[b] = s0 if window < 0 else max(s0, n - window)
+    if err:
+        items = np.empty((0, 5), np.int64)
+        first = np.zeros(1, np.int64)
+    else:
+        items, first = plan(seq_lens, kernel_start, window, block_size, kv_heads, target_items, min_chunk)
+    n_items = items.shape[0]
+    blocks = 0
+    for it in range(n_items):
+        blocks += items[it, 3] - items[it, 2] + items[it, 4] + 1
+    nt = threads if (n_items > 1 and blocks >= serial_blocks) else 1
+    nt = max(1, min(nt, n_items))
+    runs = np.empty(nt, np.int64)
+    acc = 0
+    it = 0
+    start_it = 0
+    for t in range(nt):  # contiguous runs of about equal cost (blocks + tail + 1 per item)
+        goal = blocks * (t + 1) // nt
+        while it < n_items and (acc + items[it, 3] - items[it, 2] + items[it, 4] + 1 <= goal or t == nt - 1):
+            acc += items[it, 3] - items[it, 2] + items[it, 4] + 1
+            it += 1
+        runs[t] = start_it | (it << 32)
+        start_it = it
+    pm = np.empty((n_items, g_n), np.float32)
+    pl = np.empty((n_items, g_n), np.float32)
+    pacc = np.empty((n_items, g_n, d), np.float32)
+    return err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc
+
+
 @njit(nogil=True, fastmath=FASTMATH, cache=True)
 def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
          start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
