@@ -447,8 +447,8 @@ def decode_attention(
     threads = max(1, torch.get_num_threads())
     g = q.shape[1] // kv.kv_heads
     err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.launch_plan(
-        seq_lens, tables, start, win, b, kv.kv_heads, num_blocks, kv.sink, _ITEMS_PER_THREAD * threads,
-        max(1, MIN_CHUNK_TOKENS // b), threads, _SERIAL_BLOCKS, g, d
+        seq_lens, tables, start, win, b, kv.kv_heads, num_blocks, kv.sink, *_chunking(b, threads), threads,
+        _SERIAL_BLOCKS, g, d
     )  # fmt: skip
     if err:
         _raise_contents(err, seq_lens, tables, num_blocks)
@@ -534,15 +534,12 @@ def plan_items(
 
     seq_lens, start: ``[batch]`` int32; window: -1 for none. Returns ``(items [n, 5], first [batch * kv_heads + 1])``.
     """
-    return _nb().plan(
-        seq_lens,
-        start,
-        window,
-        block_size,
-        kv_heads,
-        _ITEMS_PER_THREAD * threads,
-        max(1, MIN_CHUNK_TOKENS // block_size),
-    )
+    return _nb().plan(seq_lens, start, window, block_size, kv_heads, *_chunking(block_size, threads))
+
+
+def _chunking(block_size: int, threads: int) -> tuple[int, int]:
+    """:func:`cpu_numba.plan`'s target item count and shortest chunk (in blocks) for ``threads`` threads."""
+    return _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // block_size)
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -551,13 +548,8 @@ _pool_lock = threading.Lock()
 
 def thread_runs(items: np.ndarray, threads: int) -> np.ndarray:
     """Each thread's run of work items for :func:`cpu_numba.take_item`: ``threads`` contiguous runs of about
-    equal cost (blocks + tail + 1 per item), ``[threads]`` int64 words (:func:`cpu_numba.pack_run`)."""
-    nbm = _nb()
-    n = items.shape[0]
-    cost = np.cumsum(items[:, 3] - items[:, 2] + items[:, 4] + 1) if n else np.zeros(0, np.int64)
-    total = cost[-1] if n else 0
-    cuts = [0, *(int(np.searchsorted(cost, total * t / threads, side="right")) for t in range(1, threads)), n]
-    return np.array([nbm.pack_run(cuts[t], max(cuts[t], cuts[t + 1])) for t in range(threads)], np.int64)
+    equal cost, ``[threads]`` int64 words (:func:`cpu_numba.split_runs`)."""
+    return _nb().split_runs(items, threads)
 
 
 def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.ndarray | None = None) -> None:
@@ -576,10 +568,8 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     """
     global _pool
     if runs is None:
-        n = items.shape[0]
-        blocks = int(np.sum(items[:, 3] - items[:, 2] + items[:, 4] + 1)) if n else 0
-        serial = threads <= 1 or n <= 1 or blocks < _SERIAL_BLOCKS
-        runs = thread_runs(items, 1 if serial else min(threads, n))
+        nbm = _nb()
+        runs = nbm.split_runs(items, nbm.run_count(items, threads, _SERIAL_BLOCKS))
     threads = runs.shape[0]
     if threads == 1:
         fn(0, runs, items, *args)

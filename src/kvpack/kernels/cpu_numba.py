@@ -1537,6 +1537,45 @@ def plan(seq_lens, start_pos, window, block_size, kv_heads, target_items, min_ch
     return items, first
 
 
+@njit(**_NOREF)
+def _item_cost(items, it):
+    """What work item ``it`` costs, in blocks (its sealed blocks, the tail, and one for its setup)."""
+    return items[it, 3] - items[it, 2] + items[it, 4] + 1
+
+
+@njit(cache=True)
+def run_count(items, threads, serial_blocks):
+    """How many threads the items get: ``threads``, at most one per item, one for under ``serial_blocks``
+    blocks of work (a hand-off costs more than it saves)."""
+    blocks = 0
+    for it in range(items.shape[0]):
+        blocks += _item_cost(items, it)
+    nt = threads if (items.shape[0] > 1 and blocks >= serial_blocks) else 1
+    return max(1, min(nt, items.shape[0]))
+
+
+@njit(cache=True)
+def split_runs(items, nt):
+    """``nt`` contiguous runs of the items of about equal cost, as :func:`take_item`'s ``[nt]`` int64 words
+    (:func:`pack_run`); the last run takes whatever is left."""
+    n_items = items.shape[0]
+    blocks = 0
+    for it in range(n_items):
+        blocks += _item_cost(items, it)
+    runs = np.empty(nt, np.int64)
+    acc = 0
+    it = 0
+    start_it = 0
+    for t in range(nt):
+        goal = blocks * (t + 1) // nt
+        while it < n_items and (acc + _item_cost(items, it) <= goal or t == nt - 1):
+            acc += _item_cost(items, it)
+            it += 1
+        runs[t] = start_it | (it << 32)
+        start_it = it
+    return runs
+
+
 @njit(cache=True)
 def launch_plan(seq_lens, tables, start_pos, window, block_size, kv_heads, num_blocks, sink, target_items, min_chunk,
                 threads, serial_blocks, g_n, d):  # fmt: skip
@@ -1547,7 +1586,7 @@ def launch_plan(seq_lens, tables, start_pos, window, block_size, kv_heads, num_b
     leading positions read from the sink rows (0: none). Returns ``(err, items, first, runs, kernel_start,
     sink_len, lo, pm, pl, pacc)``: ``err`` 0, or 1 (a sequence without tokens), 2 (too few table columns),
     3 (a block id outside the pools), and then the rest empty; the work items and the threads' runs
-    (:func:`plan`, :func:`take_item`; one run when the work is under ``serial_blocks``); the first position the
+    (:func:`plan`, :func:`run_count`, :func:`split_runs`); the first position the
     kernel reads per row (past the sink rows), the sink positions each row reads and the first attended
     position; the partial results ``[n, G]``, ``[n, G]``, ``[n, G, D]`` float32.
     """
@@ -1581,23 +1620,8 @@ def launch_plan(seq_lens, tables, start_pos, window, block_size, kv_heads, num_b
         first = np.zeros(1, np.int64)
     else:
         items, first = plan(seq_lens, kernel_start, window, block_size, kv_heads, target_items, min_chunk)
+    runs = split_runs(items, run_count(items, threads, serial_blocks))
     n_items = items.shape[0]
-    blocks = 0
-    for it in range(n_items):
-        blocks += items[it, 3] - items[it, 2] + items[it, 4] + 1
-    nt = threads if (n_items > 1 and blocks >= serial_blocks) else 1
-    nt = max(1, min(nt, n_items))
-    runs = np.empty(nt, np.int64)
-    acc = 0
-    it = 0
-    start_it = 0
-    for t in range(nt):  # contiguous runs of about equal cost (blocks + tail + 1 per item)
-        goal = blocks * (t + 1) // nt
-        while it < n_items and (acc + items[it, 3] - items[it, 2] + items[it, 4] + 1 <= goal or t == nt - 1):
-            acc += items[it, 3] - items[it, 2] + items[it, 4] + 1
-            it += 1
-        runs[t] = start_it | (it << 32)
-        start_it = it
     pm = np.empty((n_items, g_n), np.float32)
     pl = np.empty((n_items, g_n), np.float32)
     pacc = np.empty((n_items, g_n, d), np.float32)
