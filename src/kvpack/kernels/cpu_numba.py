@@ -75,8 +75,8 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 # scale / zero-point kinds
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
-P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16 = range(13)
-N_PARAMS = 13
+P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR = range(14)
+N_PARAMS = 14
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -1342,17 +1342,21 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             continue
         t0 = max(lo - pos0, 0)
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
-        # the block after next is fetched while this one is computed (random block ids: no hardware prefetch)
-        nxt = np.int64(tables[b, j + 2]) if (not tail and j + 2 < jp) else np.int64(0)
+        # the block P_FAR ahead (2: the block after next) is fetched while this one is computed (random block
+        # ids: no hardware prefetch); 0 for none
+        kfar, vfar = kp[P_FAR], vp[P_FAR]
+        nxt = np.int64(tables[b, j + kfar]) if (kfar and not tail and j + kfar < jp) else np.int64(0)
+        vnx = np.int64(tables[b, j + vfar]) if (vfar and not tail and j + vfar < jp) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
-        vnext = U64(nxt * kv_heads + h) * U64(bs) * vrs if nxt else U64(0)
+        vnext = U64(vnx * kv_heads + h) * U64(bs) * vrs if vnx else U64(0)
         if nxt:  # its scales and zero-points too: a few scattered cache lines per block
             kn = kts * kcs
             kso = U64((nxt * kp[P_HS] + khs) * kn)
             _prefetch_scales(kscl, kskind, kso, kn)
             _prefetch_scales(kzero, kp[P_ZKIND], kso, kn)
+        if vnx:
             vn = vts * vcs
-            vso = U64((nxt * vp[P_HS] + vhs) * vn)
+            vso = U64((vnx * vp[P_HS] + vhs) * vn)
             _prefetch_scales(vscl, vskind, vso, vn)
             _prefetch_scales(vzero, vp[P_ZKIND], vso, vn)
         # ---- keys -> base-2 logits sc[g, t] + kc[g]
