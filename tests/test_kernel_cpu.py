@@ -440,41 +440,6 @@ def test_key_loop_scores_and_block_max_match_numpy() -> None:
         np.testing.assert_array_equal(mx, sc[:, :rows].max(axis=1))
 
 
-@pytest.mark.parametrize("vts", [64, 1])
-def test_softmax_weights_pass_matches_numpy(vts: int) -> None:
-    """The generated softmax pass (cpu_numba._soft_ir) of a whole block for 4 heads: ``p = 2 ** (sc + shift)``
-    summed per head, and int16 weights ``rint(p * scale * ws)`` (a scale per token, or one for the block), within
-    one unit of numpy's exact exponentials (the polynomial is good to 2.3e-7); far-negative logits give 0."""
-    from numba import njit
-
-    nbm = cpu._nb()
-    from llvmlite import binding as llvm
-
-    llvm.parse_assembly(nbm._soft_ir("kvpack_test_soft")).verify()
-
-    @njit
-    def soft(sc, sv, w16, par, bs, vts):
-        nbm._soft16(sc, 0, sv, 0, w16, 0, par, 0, bs, vts)
-
-    rng = np.random.default_rng(5)
-    bs = 64
-    sc = rng.uniform(-30, 0, (4, bs)).astype(np.float32)
-    sc[2, :5] = -400.0  # 2 ** -400: below float32's range, exactly 0
-    shift = rng.uniform(-2, 0, 4).astype(np.float32)
-    sv = rng.uniform(0.01, 0.05, bs).astype(np.float32)
-    ws = np.float32(32000) / (sv.max() if vts > 1 else sv[0]) * rng.uniform(0.5, 1, 4).astype(np.float32)
-    par = np.concatenate([shift, ws, np.full(4, np.nan)]).astype(np.float32)
-    w16 = np.full(4 * bs, -1, np.int16)
-    soft(sc, sv, w16, par, bs, vts)
-    p = np.exp2((sc + shift[:, None]).astype(np.float64))
-    p[(sc + shift[:, None]) <= -126] = 0
-    np.testing.assert_allclose(par[8:], p.sum(axis=1), rtol=1e-5)
-    scale = sv[None, :] if vts > 1 else sv[0]
-    want = np.rint(p * scale * ws[:, None])
-    assert np.abs(w16.reshape(4, bs) - want).max() <= 1
-    assert (w16.reshape(4, bs)[2, :5] == 0).all() and w16.max() <= 32767
-
-
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_table_words_are_the_codes_values_on_a_12_bit_grid(dtype: torch.dtype) -> None:
     """The integer path's fp8 table: every finite code's word times the format's unit is its value within half

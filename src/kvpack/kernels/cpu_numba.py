@@ -1158,85 +1158,6 @@ def _fold_ir(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _float_hex(x) -> str:
-    """A float32 constant as LLVM IR writes it (the double with the same value, in hex)."""
-    import struct
-
-    return f"0x{struct.unpack('<Q', struct.pack('<d', float(np.float32(x))))[0]:016X}"
-
-
-def _soft_ir(name: str) -> str:
-    """IR of ``void name(ptr sc, ptr sv, ptr w16, ptr par, i64 bs, i64 vts)``: softmax weights of one whole
-    block for 4 heads, made and rounded in one pass. ``sc`` ``[4, bs]`` base-2 scores; ``par`` float32
-    ``[12]``: per head the shift (``kc - m_new``), the weight scale ``ws`` and, written here, the sum of the
-    block's ``p = 2 ** (sc + shift)``; ``sv``: the value scales, one per token (``vts`` = bs) or one for the
-    block (``vts`` = 1). ``w16[g * bs + t] = rint(p * sv[t] * ws[g])`` as int16. ``bs``: a multiple of 16.
-    ``2 ** x`` as :func:`_exp2` (same polynomial; 0 below 2 ** -126)."""
-    c = [_float_hex(v) for v in (_C0, _C1, _C2, _C3, _C4, _C5)]
-    lo = _float_hex(_LOG2_MIN)
-
-    def splat(v: str) -> str:
-        return "<" + ", ".join(f"float {v}" for _ in range(16)) + ">"
-
-    lines = [f"define void @{name}(ptr %sc, ptr %sv, ptr %w16, ptr %par, i64 %bs, i64 %vts) {{", "entry:",
-             "  %nv = udiv i64 %bs, 16", "  %one = icmp eq i64 %vts, 1", "  %s0 = load float, ptr %sv, align 4",
-             "  %s0v.i = insertelement <16 x float> poison, float %s0, i64 0",
-             f"  %s0v = shufflevector <16 x float> %s0v.i, <16 x float> poison, {_ir_mask([0] * 16)}"]  # fmt: skip
-    for g in range(4):
-        for k, what in ((0, "sh"), (4, "ws")):
-            lines += [f"  %{what}{g}.p = getelementptr float, ptr %par, i64 {k + g}", f"  %{what}{g}.s = load float, ptr %{what}{g}.p, align 4",
-                      f"  %{what}{g}.i = insertelement <16 x float> poison, float %{what}{g}.s, i64 0",
-                      f"  %{what}{g} = shufflevector <16 x float> %{what}{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}"]  # fmt: skip
-    lines += ["  br label %loop", "loop:", "  %i = phi i64 [0, %entry], [%i.next, %loop]"]
-    lines += [f"  %l{g} = phi <16 x float> [zeroinitializer, %entry], [%l{g}.next, %loop]" for g in range(4)]
-    lines += ["  %t = mul i64 %i, 16", "  %svp = getelementptr float, ptr %sv, i64 %t",
-              "  %svl = load <16 x float>, ptr %svp, align 4", "  %svt = select i1 %one, <16 x float> %s0v, <16 x float> %svl"]  # fmt: skip
-    for g in range(4):
-        x = f"%x{g}"
-        lines += [f"  {x}.r = mul i64 %bs, {g}", f"  {x}.q = add i64 {x}.r, %t",
-                  f"  {x}.p = getelementptr float, ptr %sc, i64 {x}.q", f"  {x}.l = load <16 x float>, ptr {x}.p, align 4",
-                  f"  {x} = fadd <16 x float> {x}.l, %sh{g}",
-                  f"  {x}.lo = fcmp ogt <16 x float> {x}, {splat(lo)}",
-                  f"  {x}.c = select <16 x i1> {x}.lo, <16 x float> {x}, <16 x float> {splat(lo)}",
-                  f"  {x}.n = call <16 x float> @llvm.rint.v16f32(<16 x float> {x}.c)",
-                  f"  {x}.f = fsub <16 x float> {x}.c, {x}.n",
-                  f"  {x}.p5 = fmul <16 x float> {x}.f, {splat(c[5])}", f"  {x}.p4 = fadd <16 x float> {x}.p5, {splat(c[4])}"]  # fmt: skip
-        prev = f"{x}.p4"
-        for k in (3, 2, 1, 0):
-            lines += [
-                f"  {x}.m{k} = fmul <16 x float> {prev}, {x}.f",
-                f"  {x}.a{k} = fadd <16 x float> {x}.m{k}, {splat(c[k])}",
-            ]
-            prev = f"{x}.a{k}"
-        lines += [f"  {x}.ni = fptosi <16 x float> {x}.n to <16 x i32>",
-                  f"  {x}.e = add <16 x i32> {x}.ni, {_ir_vec('i32', [127] * 16)}",
-                  f"  {x}.eb = shl <16 x i32> {x}.e, {_ir_vec('i32', [23] * 16)}",
-                  f"  {x}.ef = bitcast <16 x i32> {x}.eb to <16 x float>",
-                  f"  {x}.pr = fmul <16 x float> {x}.ef, {prev}",
-                  f"  {x}.pp = select <16 x i1> {x}.lo, <16 x float> {x}.pr, <16 x float> zeroinitializer",
-                  f"  %l{g}.next = fadd <16 x float> %l{g}, {x}.pp",
-                  f"  {x}.w = fmul <16 x float> {x}.pp, %svt", f"  {x}.ww = fmul <16 x float> {x}.w, %ws{g}",
-                  f"  {x}.wr = call <16 x float> @llvm.rint.v16f32(<16 x float> {x}.ww)",
-                  f"  {x}.wi = fptosi <16 x float> {x}.wr to <16 x i32>", f"  {x}.wh = trunc <16 x i32> {x}.wi to <16 x i16>",
-                  f"  {x}.wp = getelementptr i16, ptr %w16, i64 {x}.q", f"  store <16 x i16> {x}.wh, ptr {x}.wp, align 2"]  # fmt: skip
-    lines += [
-        "  %i.next = add i64 %i, 1",
-        "  %ic = icmp ult i64 %i.next, %nv",
-        "  br i1 %ic, label %loop, label %done",
-        "done:",
-    ]
-    for g in range(4):
-        cur = f"%l{g}.next"
-        for k, sw in enumerate((8, 4, 2, 1)):
-            lines += [f"  %r{g}_{k}.s = shufflevector <16 x float> {cur}, <16 x float> poison, {_ir_mask([i ^ sw for i in range(16)])}",
-                      f"  %r{g}_{k} = fadd <16 x float> {cur}, %r{g}_{k}.s"]  # fmt: skip
-            cur = f"%r{g}_{k}"
-        lines += [f"  %ls{g} = extractelement <16 x float> {cur}, i64 0", f"  %lsp{g} = getelementptr float, ptr %par, i64 {8 + g}",
-                  f"  store float %ls{g}, ptr %lsp{g}, align 4"]  # fmt: skip
-    lines += ["  ret void", "}", "declare <16 x float> @llvm.rint.v16f32(<16 x float>)"]
-    return "\n".join(lines) + "\n"
-
-
 _SIMD_LIBS: dict = {}
 
 
@@ -1253,16 +1174,14 @@ def _simd_function(context, role: str, kind: int) -> str:
     from llvmlite import binding as llvm
 
     isa = _simd_isa(context)
-    name = f"kvpack_{'fold' if role == 'f' else 'soft'}_{isa}" if role in "fs" else f"kvpack_{role}dot_{kind}_{isa}"
+    name = f"kvpack_fold_{isa}" if role == "f" else f"kvpack_{role}dot_{kind}_{isa}"
     cg = context.codegen()
     lib = _SIMD_LIBS.get((id(cg), name))
     if lib is None:
         lib = cg.create_library(name)
-        if role in "fs":
-            text = (_fold_ir if role == "f" else _soft_ir)(name)
-        else:
-            text = (_kdot_ir if role == "k" else _vdot_ir)(name, kind, isa)
-        mod = llvm.parse_assembly(text)
+        mod = llvm.parse_assembly(
+            _fold_ir(name) if role == "f" else (_kdot_ir if role == "k" else _vdot_ir)(name, kind, isa)
+        )
         mod.triple = llvm.get_process_triple()
         lib.add_llvm_module(mod)
         _SIMD_LIBS[(id(cg), name)] = lib
@@ -1286,7 +1205,7 @@ def _simd_codegen(role: str, kind: int):
                 off = context.cast(builder, vals[i + 1], signature.args[i + 1], types.int64)
                 nbytes = builder.mul(off, ir.Constant(ir.IntType(64), ty.dtype.bitwidth // 8))
                 ptr = cgutils.pointer_add(builder, ary.data, nbytes, ir.IntType(8).as_pointer())
-                if role in "kv" and i >= len(vals) - 4:  # the last pairs: the block to prefetch, offset 0: none
+                if role != "f" and i >= len(vals) - 4:  # the last pairs: the block to prefetch, offset 0: none
                     ptr = builder.select(builder.icmp_unsigned("==", off, off.type(0)), ptr.type(None), ptr)
                 out.append(ptr)
                 i += 2
@@ -1316,12 +1235,6 @@ def _vdot_intrinsic(kind: int):
         return sig, _simd_codegen("v", kind)
 
     return vdot
-
-
-@intrinsic
-def _soft16(typingctx, sc, sco, sv, svo, w16, wo, par, po, bs, vts):
-    """Softmax weights of a whole block for 4 heads (see :func:`_soft_ir`)."""
-    return types.void(sc, sco, sv, svo, w16, wo, par, po, bs, vts), _simd_codegen("s", 0)
 
 
 @intrinsic
@@ -1457,33 +1370,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
     ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
     """
-    (
-        qp,
-        qsum,
-        m,
-        lsum,
-        acc,
-        zacc,
-        sc,
-        w,
-        mxb,
-        qf,
-        kc,
-        sk,
-        zk,
-        sv,
-        zv,
-        pk,
-        zp,
-        buf,
-        sx,
-        q16,
-        w16,
-        qinv,
-        winv,
-        rsum,
-        fx,
-    ) = st
+    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, rsum = st
     g_n, d = w.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
     vper, vskind, vts, vcs = vp[P_PER], vp[P_SKIND], vp[P_TS], vp[P_CS]
@@ -1636,10 +1523,6 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                     ib = x if x > ib else ib
                 mxb[g] = _from_order_key(ib)
         # ---- online softmax (base 2)
-        # whole blocks of integer values with one scale group and no zero-points: the exponentials are made,
-        # summed and rounded to int16 weights in one generated pass (_soft_ir), after the value scales
-        fused = (vint and t0 == 0 and t1 == bs and bs % 16 == 0 and ngv == 1 and not grouped
-                 and vskind != SC_NONE and vp[P_ZKIND] == SC_NONE)  # fmt: skip
         for g in range(g_n):
             mb = mxb[g]
             if grouped:
@@ -1652,16 +1535,12 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             mxb[g] = _exp2(mb - mnew)  # the block's largest weight p (bounds the int16 weights)
             alpha = _exp2(m[g] - mnew)
             shift = kc[g] - mnew
-            if fused:
-                fx[3 * (g - g % 4) + g % 4] = shift
-                lsum[g] = lsum[g] * alpha
-            else:
-                ls = _ZERO
-                for t in range(u0, u1):
-                    p = _exp2(sc[g, t] + shift)
-                    sc[g, t] = p
-                    ls += p
-                lsum[g] = lsum[g] * alpha + ls
+            ls = _ZERO
+            for t in range(u0, u1):
+                p = _exp2(sc[g, t] + shift)
+                sc[g, t] = p
+                ls += p
+            lsum[g] = lsum[g] * alpha + ls
             m[g] = mnew
             if alpha != 1.0:
                 for i in range(d):
@@ -1702,23 +1581,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         if vint:  # rows from t0 rounded down to 2 (block_size is even), weights 0 outside [t0, t1)
             ta = t0 - t0 % 2
             tb = min(t1 + t1 % 2, bs)
-            if fused:
-                mb = np.int32(0)
-                for t in range(U64(vts)):
-                    bb = _f32_bits(sv[t]) & np.int32(0x7FFFFFFF)
-                    mb = bb if bb > mb else mb
-                smax = _as_f32(mb)
-                flim = np.float32(vp[P_DOT])
-                for g in range(winv.shape[0]):
-                    bound = smax * min(mxb[g], np.float32(1.0)) if g < g_n else _ZERO
-                    fx[3 * (g - g % 4) + 4 + g % 4] = flim / bound if bound > 0 else _ZERO
-                    winv[g] = bound / flim
-                for g0 in range(0, g_n, 4):
-                    _soft16(sc, g0 * bs, sv, 0, w16, g0 * bs, fx, 3 * g0, bs, vts)
-                for g in range(g_n):
-                    lsum[g] += fx[3 * (g - g % 4) + 8 + g % 4]
-            else:
-                _w16_values(sc, g_n, t0, t1, ta, tb, sv, vts, ngv, vp[P_DOT], mxb, w16, winv)
+            _w16_values(sc, g_n, t0, t1, ta, tb, sv, vts, ngv, vp[P_DOT], mxb, w16, winv)
             if vunit != 1.0:
                 for g in range(winv.shape[0]):
                     winv[g] *= vunit
@@ -1920,7 +1783,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
           np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32),
-          np.zeros(g4, np.float32), np.zeros(3 * g4, np.float32))  # fmt: skip
+          np.zeros(g4, np.float32))  # fmt: skip
     it = take_item(runs, t)
     while it >= 0:
         b = items[it, 0]
