@@ -412,34 +412,6 @@ def test_int16_query_fold_rounds_each_head_to_its_own_scale() -> None:
         assert qinv[5] == 0 and rsum[5] == 0 and not q16.reshape(8, d)[5].any()
 
 
-def test_key_loop_scores_and_block_max_match_numpy() -> None:
-    """The generated key loop (int8 codes) gives each row's exact integer dot with the int16 query times the
-    head's scale, and each head's largest score over the rows it computed."""
-    from numba import njit
-
-    nbm = cpu._nb()
-    u64 = np.uint64
-
-    @njit
-    def scores(pay, q16, qinv, sc, mx, ngrp):
-        nbm._kdot_int(nbm.S8, pay, u64(0), u64(128), ngrp, q16, 0, 4, qinv, 0, sc, 0, 64, mx, 0, 0, u64(0), u64(0))
-
-    rng = np.random.default_rng(4)
-    for ngrp in (16, 3):
-        codes = rng.integers(-128, 128, (64, 128), dtype=np.int8)
-        q16 = rng.integers(-32767, 32768, (4, 128), dtype=np.int16)
-        qinv = rng.uniform(1e-5, 1e-3, 4).astype(np.float32)
-        sc = np.full((4, 64), np.nan, np.float32)
-        mx = np.full(4, np.nan, np.float32)
-        scores(codes.view(np.uint8).ravel(), q16.ravel(), qinv, sc, mx, ngrp)
-        rows = 4 * ngrp
-        exact = q16.astype(np.int64) @ codes[:rows].T.astype(np.int64)  # [4, rows]
-        want = (exact.astype(np.float32) * qinv[:, None]).astype(np.float32)
-        np.testing.assert_allclose(sc[:, :rows], want, rtol=1e-6)
-        assert np.isnan(sc[:, rows:]).all()  # nothing written past the rows asked for
-        np.testing.assert_array_equal(mx, sc[:, :rows].max(axis=1))
-
-
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_table_words_are_the_codes_values_on_a_12_bit_grid(dtype: torch.dtype) -> None:
     """The integer path's fp8 table: every finite code's word times the format's unit is its value within half

@@ -830,14 +830,13 @@ def _ir_reduce16(lines: list[str], names: list[str]) -> str:
 
 
 def _kdot_ir(name: str, kind: int, isa: str) -> str:
-    """IR of ``void name(ptr k, i64 rs, i64 ngrp, ptr q, i64 nm, ptr scl, ptr sc, i64 ld, ptr mx)``: scores of
+    """IR of ``void name(ptr k, i64 rs, i64 ngrp, ptr q, i64 nm, ptr scl, ptr sc, i64 ld)``: scores of
     ``4 * ngrp`` rows (row ``r`` at ``k + r * rs`` bytes) for 4 heads,
     ``sc[g * ld + r] = scl[g] * sum_{k < per, m < nm, i < 32} q[((g * per + k) * nm + m) * 32 + i] * code(r, 32 m + i, k)``
-    with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass. ``mx[g]``: head
-    ``g``'s largest score over the rows (the block max, when the rows are the block's; saves a pass)."""
+    with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass."""
     per, signed = _INT_KINDS[kind]
     lines = [f"define void @{name}(ptr %k, i64 %rs, i64 %ngrp, ptr %q, i64 %nm, ptr %scl, ptr %sc, i64 %ld, "
-             "ptr %mx, i64 %off, ptr %pf, ptr %pf1) {",
+             "i64 %off, ptr %pf, ptr %pf1) {",
              "entry:",
              "  %scl4 = load <4 x float>, ptr %scl, align 4",
              f"  %sclv = shufflevector <4 x float> %scl4, <4 x float> poison, {_ir_mask([n // 4 for n in range(16)])}",
@@ -849,7 +848,6 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
     lines += ["  br label %grp",
              "grp:",
              "  %gi = phi i64 [0, %entry], [%gi.next, %grp.end]",
-             f"  %mxv = phi <16 x float> [{_ir_vec('float', ['0xFFF0000000000000'] * 16)}, %entry], [%mxv.next, %grp.end]",
              "  %row0 = mul i64 %gi, %rs4",
              "  %rp0 = getelementptr i8, ptr %k, i64 %row0"]  # fmt: skip
     lines += [f"  %rp{r} = getelementptr i8, ptr %rp{r - 1}, i64 %rs" for r in range(1, 4)]
@@ -883,7 +881,6 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
               "  br i1 %mc, label %mloop, label %grp.end", "grp.end:"]  # fmt: skip
     tot = _ir_reduce16(lines, [f"%a{n}.out" for n in range(16)])
     lines += [f"  %tf = sitofp <16 x i32> {tot} to <16 x float>", "  %ts = fmul <16 x float> %tf, %sclv",
-              "  %mxc = fcmp ogt <16 x float> %ts, %mxv", "  %mxv.next = select <16 x i1> %mxc, <16 x float> %ts, <16 x float> %mxv",
               "  %col = mul i64 %gi, 4"]  # fmt: skip
     for g in range(4):
         lines += [f"  %o{g} = shufflevector <16 x float> %ts, <16 x float> poison, {_ir_mask(range(4 * g, 4 * g + 4))}",
@@ -891,17 +888,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
                   f"  %op{g} = getelementptr float, ptr %sc, i64 %oi{g}",
                   f"  store <4 x float> %o{g}, ptr %op{g}, align 4"]  # fmt: skip
     lines += ["  %gi.next = add i64 %gi, 1", "  %gc = icmp ult i64 %gi.next, %ngrp",
-              "  br i1 %gc, label %grp, label %exit", "exit:"]  # fmt: skip
-    # each head's largest score over the rows (lanes 4g .. 4g + 3 hold head g's): two swap-and-max steps
-    cur = "%mxv.next"
-    for step, sw in enumerate(([1, 0, 3, 2], [2, 3, 0, 1])):
-        lines += [f"  %mr{step}.s = shufflevector <16 x float> {cur}, <16 x float> poison, "
-                  f"{_ir_mask([4 * (n // 4) + sw[n % 4] for n in range(16)])}",
-                  f"  %mr{step}.c = fcmp ogt <16 x float> %mr{step}.s, {cur}",
-                  f"  %mr{step} = select <16 x i1> %mr{step}.c, <16 x float> %mr{step}.s, <16 x float> {cur}"]  # fmt: skip
-        cur = f"%mr{step}"
-    lines += [f"  %mx4 = shufflevector <16 x float> {cur}, <16 x float> poison, {_ir_mask([0, 4, 8, 12])}",
-              "  store <4 x float> %mx4, ptr %mx, align 4", "  ret void", "}"]  # fmt: skip
+              "  br i1 %gc, label %grp, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
     return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
@@ -1221,8 +1208,8 @@ def _simd_codegen(role: str, kind: int):
 
 def _kdot_intrinsic(kind: int):
     @intrinsic
-    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, pf, pfo, pf1, pfo1):
-        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, pf, pfo, pf1, pfo1)
+    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1):
+        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1)
         return sig, _simd_codegen("k", kind)
 
     return kdot
@@ -1248,20 +1235,20 @@ _vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2, _vdot_e4, _vdot_e5 = (_vdot_intrinsic(k)
 
 
 @njit(**_NOREF)
-def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, pfo, pfo1):
+def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pfo, pfo1):
     """Scores of ``4 * ngrp`` rows for 4 heads with int16 queries (see :func:`_kdot_ir`)."""
     if kind == S8:
-        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == U8:
-        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == U4:
-        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == E4M3:
-        _kdot_e4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_e4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     elif kind == E5M2:
-        _kdot_e5(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_e5(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
     else:
-        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, mx, mxo, coff, p8, pfo, p8, pfo1)
+        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
 
 
 @njit(**_NOREF)
@@ -1365,7 +1352,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     a multiple of 4, padding rows zero); qsum
     ``[G, nkg]`` its sums per key scale group; m, lsum ``[G]`` running max (base 2) and sum; acc ``[G, D]``
     in the values' plane order; zacc ``[G, nvg]`` zero-point / offset terms per value group; buf
-    ``[TILE, D]`` the decoded rows; mxb ``[G4]`` the block's max logit per head; the rest is scratch.
+    ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; the rest is scratch.
     kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
     ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
@@ -1493,7 +1480,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
                 kpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
-                          qinv, g0, sc, g0 * bs + ta, bs, mxb, g0, kp[P_OFF], kpf, kpf1)  # fmt: skip
+                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
@@ -1513,8 +1500,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                             sc[g, tr] += zt
         if nout:  # outlier key channels: + q[idx_j] * residual[t, j] (query not folded)
             _outlier_scores(kout, kidx, kp[P_IDX16], U64(idx * kv_heads + h), nout, qp, kper, kdp, g_n, u0, u1, sc, zp)
-        # the integer loops leave each head's largest score in mxb when their rows are exactly [t0, t1)
-        if nout or (kint and (t0 % 4 or t1 % 4)):
+        if kint or nout:
             for g in range(g_n):
                 row = sc[g]
                 ib = _order_key(row[t0])
@@ -1778,7 +1764,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
     zacc = np.empty((g_n, nvg), np.float32)
     ngv = vp[P_CS] if (vp[P_CS] > 1 and vp[P_SKIND] != SC_NONE) else 1
     st = (qp, qsum, m, lsum, acc, zacc, np.zeros((g4, bs), np.float32), np.empty((g_n, bs), np.float32),
-          np.empty(g4, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
+          np.empty(g_n, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
