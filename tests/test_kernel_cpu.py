@@ -36,7 +36,6 @@ import dataclasses
 import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -373,43 +372,6 @@ def test_integer_loops_are_valid_ir_for_every_isa() -> None:
                 loops = 2 if (gen is nbm._vdot_ir and kind in (nbm.S8, nbm.U8, nbm.U4)) else 1
                 assert text.count("call void @llvm.prefetch.p0") == (2 if one_per_byte else 1) * loops
                 assert (", i32 0, i32 3, i32 1)" in text) == one_per_byte
-
-
-def test_int16_query_fold_rounds_each_head_to_its_own_scale() -> None:
-    """The generated fold (cpu_numba._fold_ir): per head, ``qp * s`` scaled so its largest magnitude is ``lim``,
-    rounded half to even into int16 exactly as numpy's float32 arithmetic does; ``qinv`` undoes the scale,
-    ``rsum`` is the rounding's total shift; an all-zero head gives zeros, not NaN."""
-    from numba import njit
-
-    nbm = cpu._nb()
-    llvm_text = nbm._fold_ir("kvpack_test_fold")
-    from llvmlite import binding as llvm
-
-    llvm.parse_assembly(llvm_text).verify()
-
-    @njit
-    def fold(qp, s, q16, qinv, rsum, lim):
-        nbm._fold16(qp, 0, s, 0, q16, 0, qinv, 0, rsum, 0, qp.shape[0], qp.shape[1], lim)
-
-    rng = np.random.default_rng(3)
-    for d, lim in ((64, 32767), (128, 4095), (256, 32767)):
-        qp = (rng.standard_normal((8, d)) * rng.uniform(0.1, 30, (8, 1))).astype(np.float32)
-        qp[5] = 0.0  # a padding head
-        s = rng.uniform(0.001, 0.2, d).astype(np.float32)
-        q16 = np.full(8 * d, 12345, np.int16)
-        qinv = np.full(8, np.nan, np.float32)
-        rsum = np.full(8, np.nan, np.float32)
-        fold(qp, s, q16, qinv, rsum, lim)
-        f = qp * s
-        m = np.abs(f).max(axis=1)
-        scale = np.where(m > 0, np.float32(lim) / np.where(m > 0, m, 1), 0).astype(np.float32)
-        want = np.rint(f * scale[:, None]).astype(np.int16)
-        np.testing.assert_array_equal(q16.reshape(8, d), want)
-        assert np.abs(want).max(axis=1)[m > 0].min() == lim  # the largest lands on lim
-        np.testing.assert_allclose(qinv, m / np.float32(lim), rtol=1e-6)
-        shift = (want * qinv[:, None] - f).sum(axis=1)
-        np.testing.assert_allclose(rsum, shift, rtol=1e-3, atol=1e-5 * np.abs(f).sum(axis=1).max())
-        assert qinv[5] == 0 and rsum[5] == 0 and not q16.reshape(8, d)[5].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

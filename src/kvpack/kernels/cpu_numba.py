@@ -29,7 +29,7 @@ computed: block ids are arbitrary, so the hardware prefetcher cannot guess them.
 Integer path (int8/int4/int2 and fp8 codes on AVX-512 BW CPUs, see :func:`_kdot_ir`, :func:`_vdot_ir`): the
 codes are never converted to float (fp8 bytes become int16 words on a 12-bit grid through a table,
 :func:`_ir_lut`; one code unit is then worth :func:`_code_unit`). The folded query is rounded to int16 once per block and head
-(:func:`_fold_ir`) and dotted with the codes widened to int16 words by ``vpdpwssd`` (exact int32 sums),
+(:func:`_q16_keys`) and dotted with the codes widened to int16 words by ``vpdpwssd`` (exact int32 sums),
 four rows by four heads per pass, the sixteen sums reduced together by a transposing shuffle tree; the
 attention weights are rounded to int16 per block (:func:`_w16_values`) and two rows at a time are
 interleaved word by word, so one ``vpdpwssd`` accumulates 16 channels of both rows. Offset-binary codes
@@ -909,9 +909,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
 
     Two rows at a time: their words are interleaved (row ``2p`` in the even word of each dword, ``2p + 1``
     in the odd one), so one ``vpdpwssd`` multiplies 16 channels of both rows by their two weights. A pass
-    covers two units of 32 bytes x one plane (64 channels): 4 heads x 4 half-units = 16 accumulators. Its row
-    loop comes in two copies (:func:`_vdot_pass`): one loads a weight dword per head and half, the other, for
-    passes whose halves share one weight group, one per head."""
+    covers two units of 32 bytes x one plane (64 channels): 4 heads x 4 half-units = 16 accumulators."""
     per = _INT_KINDS[kind][0]
     bits = 8 // per
     split = value_run(per) == 8  # 2-bit codes: a value group of 32 is 8 bytes, two groups per 16-byte half
@@ -1064,87 +1062,6 @@ def _vdot_pass(lines: list[str], sfx: str, one: bool, kind: int, isa: str) -> No
               f"  br i1 %pc{v}, label %{lp}, label %unit.end"]  # fmt: skip
 
 
-def _fold_ir(name: str) -> str:
-    """IR of ``void name(ptr qp, ptr s, ptr q16, ptr qinv, ptr rsum, i64 g4, i64 d, i64 lim)``: the query of
-    ``g4`` heads (a multiple of 4) folded with one block's key scales and rounded to int16, in two passes
-    over the channels, four heads at a time (no float copy stored): ``f = qp[g, c] * s[c]``,
-    ``m = max_c |f|``; ``q16[g * d + c] = rint(f * lim / m)``, ``qinv[g] = m / lim`` (0 and 0 for a zero
-    row), ``rsum[g] = sum_c (rint(f * lim / m) * qinv[g] - f)``, the rounding's total shift (see
-    :func:`_attend`, ``kcbar``). ``d``: a multiple of 16; float32 ``qp`` ``[g4, d]`` and ``s`` ``[d]``, int16
-    ``q16``. Explicit 16-lane vectors: numba's loops for the same work kept the float max scalar and the
-    integer one in 64-bit lanes."""
-    absm = _ir_vec("i32", [0x7FFFFFFF] * 16)
-    lines = [f"define void @{name}(ptr %qp, ptr %s, ptr %q16, ptr %qinv, ptr %rsum, i64 %g4, i64 %d, i64 %lim) {{",
-             "entry:", "  %limf = sitofp i64 %lim to float", "  %nv = udiv i64 %d, 16", "  br label %head",
-             "head:", "  %g0 = phi i64 [0, %entry], [%g0.next, %conv.end]", "  br label %mx",
-             "mx:", "  %i = phi i64 [0, %head], [%i.next, %mx]"]  # fmt: skip
-    lines += [f"  %m{h} = phi <16 x float> [zeroinitializer, %head], [%m{h}.next, %mx]" for h in range(4)]
-
-    def folded(lbl: str, idx: str) -> list[str]:  # %f{h}.{lbl}: 16 channels of head g0 + h's folded query
-        out = [f"  %off.{lbl} = mul i64 {idx}, 16", f"  %sp.{lbl} = getelementptr float, ptr %s, i64 %off.{lbl}",
-               f"  %sv.{lbl} = load <16 x float>, ptr %sp.{lbl}, align 4"]  # fmt: skip
-        for h in range(4):
-            out += [f"  %row{h}.{lbl} = add i64 %g0, {h}", f"  %base{h}.{lbl} = mul i64 %row{h}.{lbl}, %d",
-                    f"  %qo{h}.{lbl} = add i64 %base{h}.{lbl}, %off.{lbl}",
-                    f"  %qpp{h}.{lbl} = getelementptr float, ptr %qp, i64 %qo{h}.{lbl}",
-                    f"  %qv{h}.{lbl} = load <16 x float>, ptr %qpp{h}.{lbl}, align 4",
-                    f"  %f{h}.{lbl} = fmul <16 x float> %qv{h}.{lbl}, %sv.{lbl}"]  # fmt: skip
-        return out
-
-    lines += folded("a", "%i")
-    for h in range(4):
-        lines += [f"  %fb{h} = bitcast <16 x float> %f{h}.a to <16 x i32>", f"  %ab{h} = and <16 x i32> %fb{h}, {absm}",
-                  f"  %av{h} = bitcast <16 x i32> %ab{h} to <16 x float>", f"  %mc{h} = fcmp ogt <16 x float> %av{h}, %m{h}",
-                  f"  %m{h}.next = select <16 x i1> %mc{h}, <16 x float> %av{h}, <16 x float> %m{h}"]  # fmt: skip
-    lines += ["  %i.next = add i64 %i, 1", "  %ic = icmp ult i64 %i.next, %nv", "  br i1 %ic, label %mx, label %mx.end",
-              "mx.end:"]  # fmt: skip
-    # the four heads' maxima: pairwise max trees, then lane h of %mq holds head g0 + h's
-    cur = [f"%m{h}.next" for h in range(4)]
-    for k, sw in enumerate((8, 4, 2, 1)):
-        for h in range(4):
-            lines += [f"  %h{k}_{h}.s = shufflevector <16 x float> {cur[h]}, <16 x float> poison, "
-                      f"{_ir_mask([i ^ sw for i in range(16)])}",
-                      f"  %h{k}_{h}.c = fcmp ogt <16 x float> %h{k}_{h}.s, {cur[h]}",
-                      f"  %h{k}_{h} = select <16 x i1> %h{k}_{h}.c, <16 x float> %h{k}_{h}.s, <16 x float> {cur[h]}"]  # fmt: skip
-        cur = [f"%h{k}_{h}" for h in range(4)]
-    lines += [f"  %mq.0 = shufflevector <16 x float> {cur[0]}, <16 x float> {cur[1]}, {_ir_mask([0, 16, 0, 0])}",
-              f"  %mq.1 = shufflevector <16 x float> {cur[2]}, <16 x float> {cur[3]}, {_ir_mask([0, 16, 0, 0])}",
-              f"  %mq = shufflevector <4 x float> %mq.0, <4 x float> %mq.1, {_ir_mask([0, 1, 4, 5])}",
-              "  %lq.i = insertelement <4 x float> poison, float %limf, i64 0",
-              f"  %lq = shufflevector <4 x float> %lq.i, <4 x float> poison, {_ir_mask([0] * 4)}",
-              "  %pos = fcmp ogt <4 x float> %mq, zeroinitializer", "  %sq = fdiv <4 x float> %lq, %mq",
-              "  %scq = select <4 x i1> %pos, <4 x float> %sq, <4 x float> zeroinitializer",
-              "  %invq = fdiv <4 x float> %mq, %lq", "  %qip = getelementptr float, ptr %qinv, i64 %g0",
-              "  store <4 x float> %invq, ptr %qip, align 4"]  # fmt: skip
-    for h in range(4):  # head g0 + h's scale and its inverse in all lanes
-        lines += [f"  %sc{h} = shufflevector <4 x float> %scq, <4 x float> poison, {_ir_mask([h] * 16)}",
-                  f"  %inv{h} = shufflevector <4 x float> %invq, <4 x float> poison, {_ir_mask([h] * 16)}"]  # fmt: skip
-    lines += ["  br label %conv", "conv:", "  %j = phi i64 [0, %mx.end], [%j.next, %conv]"]
-    lines += [f"  %r{h} = phi <16 x float> [zeroinitializer, %mx.end], [%r{h}.next, %conv]" for h in range(4)]
-    lines += folded("b", "%j")
-    for h in range(4):
-        lines += [f"  %fs{h} = fmul <16 x float> %f{h}.b, %sc{h}",
-                  f"  %rr{h} = call <16 x float> @llvm.rint.v16f32(<16 x float> %fs{h})",
-                  f"  %ri{h} = fptosi <16 x float> %rr{h} to <16 x i32>", f"  %rw{h} = trunc <16 x i32> %ri{h} to <16 x i16>",
-                  f"  %q16p{h} = getelementptr i16, ptr %q16, i64 %qo{h}.b", f"  store <16 x i16> %rw{h}, ptr %q16p{h}, align 2",
-                  f"  %back{h} = fmul <16 x float> %rr{h}, %inv{h}", f"  %res{h} = fsub <16 x float> %back{h}, %f{h}.b",
-                  f"  %r{h}.next = fadd <16 x float> %r{h}, %res{h}"]  # fmt: skip
-    lines += ["  %j.next = add i64 %j, 1", "  %jc = icmp ult i64 %j.next, %nv", "  br i1 %jc, label %conv, label %conv.end",
-              "conv.end:"]  # fmt: skip
-    cur = [f"%r{h}.next" for h in range(4)]
-    for k, sw in enumerate((8, 4, 2, 1)):
-        for h in range(4):
-            lines += [f"  %t{k}_{h}.s = shufflevector <16 x float> {cur[h]}, <16 x float> poison, "
-                      f"{_ir_mask([i ^ sw for i in range(16)])}", f"  %t{k}_{h} = fadd <16 x float> {cur[h]}, %t{k}_{h}.s"]  # fmt: skip
-        cur = [f"%t{k}_{h}" for h in range(4)]
-    for h in range(4):
-        lines += [f"  %rs{h} = extractelement <16 x float> {cur[h]}, i64 0", f"  %rsg{h} = add i64 %g0, {h}",
-                  f"  %rsp{h} = getelementptr float, ptr %rsum, i64 %rsg{h}", f"  store float %rs{h}, ptr %rsp{h}, align 4"]  # fmt: skip
-    lines += ["  %g0.next = add i64 %g0, 4", "  %gc = icmp ult i64 %g0.next, %g4", "  br i1 %gc, label %head, label %exit",
-              "exit:", "  ret void", "}", "declare <16 x float> @llvm.rint.v16f32(<16 x float>)"]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
 _SIMD_LIBS: dict = {}
 
 
@@ -1161,14 +1078,12 @@ def _simd_function(context, role: str, kind: int) -> str:
     from llvmlite import binding as llvm
 
     isa = _simd_isa(context)
-    name = f"kvpack_fold_{isa}" if role == "f" else f"kvpack_{role}dot_{kind}_{isa}"
+    name = f"kvpack_{role}dot_{kind}_{isa}"
     cg = context.codegen()
     lib = _SIMD_LIBS.get((id(cg), name))
     if lib is None:
         lib = cg.create_library(name)
-        mod = llvm.parse_assembly(
-            _fold_ir(name) if role == "f" else (_kdot_ir if role == "k" else _vdot_ir)(name, kind, isa)
-        )
+        mod = llvm.parse_assembly((_kdot_ir if role == "k" else _vdot_ir)(name, kind, isa))
         mod.triple = llvm.get_process_triple()
         lib.add_llvm_module(mod)
         _SIMD_LIBS[(id(cg), name)] = lib
@@ -1178,9 +1093,9 @@ def _simd_function(context, role: str, kind: int) -> str:
 
 def _simd_codegen(role: str, kind: int):
     """Codegen calling the generated function: every array argument is followed by an element offset (the
-    two become one pointer), every other argument is an integer (passed as i64). For the loops ("k", "v") the
-    last two pairs are rows to prefetch (the block after next into L2, the next block into L1); offset 0 (the
-    null block) passes a null pointer: nothing to prefetch."""
+    two become one pointer), every other argument is an integer (passed as i64). The last two pairs are rows to
+    prefetch (the block after next into L2, the next block into L1); offset 0 (the null block) passes a null
+    pointer: nothing to prefetch."""
 
     def codegen(context, builder, signature, vals):
         name = _simd_function(context, role, kind)
@@ -1192,7 +1107,7 @@ def _simd_codegen(role: str, kind: int):
                 off = context.cast(builder, vals[i + 1], signature.args[i + 1], types.int64)
                 nbytes = builder.mul(off, ir.Constant(ir.IntType(64), ty.dtype.bitwidth // 8))
                 ptr = cgutils.pointer_add(builder, ary.data, nbytes, ir.IntType(8).as_pointer())
-                if role != "f" and i >= len(vals) - 4:  # the last pairs: the block to prefetch, offset 0: none
+                if i >= len(vals) - 4:  # the last pairs: the next block to prefetch, offset 0 for none
                     ptr = builder.select(builder.icmp_unsigned("==", off, off.type(0)), ptr.type(None), ptr)
                 out.append(ptr)
                 i += 2
@@ -1222,12 +1137,6 @@ def _vdot_intrinsic(kind: int):
         return sig, _simd_codegen("v", kind)
 
     return vdot
-
-
-@intrinsic
-def _fold16(typingctx, qp, qpo, s, so, q16, q16o, qinv, qio, rsum, rso, g4, d, lim):
-    """The int16 query of one block (see :func:`_fold_ir`)."""
-    return types.void(qp, qpo, s, so, q16, q16o, qinv, qio, rsum, rso, g4, d, lim), _simd_codegen("f", 0)
 
 
 _kdot_s8, _kdot_u8, _kdot_u4, _kdot_u2, _kdot_e4, _kdot_e5 = (_kdot_intrinsic(k) for k in (S8, U8, U4, U2, E4M3, E5M2))
@@ -1266,6 +1175,38 @@ def _vdot_int(kind, p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wi
         _vdot_e5(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
     else:
         _vdot_u2(p8, off, rs, npairs, w16, wo, wld, acc, ao, ld, dp, winv, wio, span, coff, p8, pfo, p8, pfo1)
+
+
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _q16_keys(qf, lim, cbar, q16, qinv, kc):
+    """The folded query ``qf`` ``[G4, D]`` (keys' plane order) as int16 ``q16`` ``[G4 * D]`` (the same order,
+    which :func:`_kdot_ir` reads), scaled per head to ``lim`` at its largest magnitude; ``qinv[g]`` ``[G4]``
+    undoes the scaling. Rounding moves channel ``c`` by ``r_c`` (``|r_c| <= 0.5 max|qf[g]| / lim``), the
+    score by ``sum_c r_c * code_c``; its part common to every token, ``cbar * sum_c r_c`` (``cbar``: the
+    codes' midpoint, 0 for signed or centred ones), is taken out of ``kc[g]``, leaving
+    ``sum_c r_c (code_c - cbar)``."""
+    g_n = kc.shape[0]
+    g4, d = qf.shape
+    flim = np.float32(lim)
+    ud = U64(d)
+    for g in range(g4):
+        row = qf[g]
+        mb = np.int32(0)
+        for i in range(ud):
+            b = _f32_bits(row[i]) & np.int32(0x7FFFFFFF)  # |x| as ordered int bits
+            mb = b if b > mb else mb
+        mx = _as_f32(mb)
+        s = flim / mx if mx > 0 else _ZERO
+        inv = mx / flim
+        qinv[g] = inv
+        o = U64(g * d)
+        for i in range(ud):
+            q16[o + i] = np.int16(np.rint(row[i] * s))
+        if g < g_n and cbar != 0:
+            rsum = _ZERO
+            for i in range(ud):
+                rsum += np.rint(row[i] * s) * inv - row[i]
+            kc[g] -= cbar * rsum
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
@@ -1357,7 +1298,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
     ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
     """
-    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, rsum = st
+    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv = st
     g_n, d = w.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
     vper, vskind, vts, vcs = vp[P_PER], vp[P_SKIND], vp[P_TS], vp[P_CS]
@@ -1375,7 +1316,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     vint = vp[P_DOT] > 0
     ngv = vcs if vcs > 1 else 1
     # the integer path subtracts the offset of offset-binary codes in the loop (signed, centred codes): the
-    # per-block constants then leave it out; codes with a zero-point keep their midpoint (see the int16 query below)
+    # per-block constants then leave it out; codes with a zero-point keep their midpoint (see _q16_keys)
     kfoff = _ZERO if kint else koff
     vzoff = _ZERO if vint else voff
     kcbar = (
@@ -1447,9 +1388,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                         pk[kb + jj] = sk[c]
                         zp[kb + jj] = zk[c] - kfoff * sk[c] if kzt else _ZERO
             for g in range(g_n):
-                if not kint:
-                    for i in range(U64(d)):
-                        qf[g, i] = qp[g, i] * pks[i]
+                for i in range(U64(d)):
+                    qf[g, i] = qp[g, i] * pks[i]
                 c0 = _ZERO
                 if kzt:
                     for i in range(U64(d)):
@@ -1457,13 +1397,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                 kc[g] = c0
             qsrc = qf
             if kint:
-                # int16 query; rounding moves channel c by r_c, the score by sum_c r_c * code_c, whose part
-                # common to every token (kcbar * sum_c r_c, kcbar: the codes' midpoint, 0 for signed or
-                # centred codes) comes out of kc, leaving sum_c r_c * (code_c - kcbar)
-                _fold16(qp, 0, pks, 0, q16, 0, qinv, 0, rsum, 0, qinv.shape[0], d, kp[P_DOT])
-                if kcbar != 0:
-                    for g in range(g_n):
-                        kc[g] -= kcbar * rsum[g]
+                _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
                 if kunit != 1.0:
                     for g in range(qinv.shape[0]):
                         qinv[g] *= kunit
@@ -1768,8 +1702,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
-          np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32),
-          np.zeros(g4, np.float32))  # fmt: skip
+          np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32))  # fmt: skip
     it = take_item(runs, t)
     while it >= 0:
         b = items[it, 0]
