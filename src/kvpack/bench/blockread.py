@@ -6,10 +6,10 @@ in block-table order, one kv head at a time, and block ids are arbitrary (a frag
 ``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
 This probe does exactly the kernel's reads and nothing else: the same work items and threads
 (:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu.run_items`), keys then values of each
-block, one load per 64-byte line, the same software prefetching (the block after next into L2, and for
-rows of 128 bytes or more the next block into L1), no arithmetic. Its time is what a kernel with free
-compute would take on this cache, so ``probe ms / kernel ms`` says how much of the reachable memory
-speed the kernel uses. Scales and the full-precision tail (1-3% of the bytes) are not read.
+block, one load per 64-byte line, the same software prefetching (the block ``cpu.FAR_BLOCKS`` ahead, the
+block after next, into L2, and for rows of 128 bytes or more the next block into L1), no arithmetic. Its
+time is what a kernel with free compute would take on this cache, so ``probe ms / kernel ms`` says how
+much of the reachable memory speed the kernel uses. Scales and the full-precision tail (1-3% of the bytes) are not read.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ _U64 = np.uint64
 
 
 @njit(nogil=True, cache=True)
-def read_items(t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, out):  # pragma: no cover
+def read_items(
+    t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, far_blocks, out
+):  # pragma: no cover
     """Thread ``t``'s share of the work items (taken from ``runs`` like the kernel takes them), read like the
     kernel reads them; ``out[it]`` gets the XOR of every 64-bit word read (the first word of each 64-byte
     line), so nothing can be skipped.
@@ -38,7 +40,8 @@ def read_items(t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs,
     items: ``[n, 5]`` int64 from ``plan`` (row, head, first block, end block, tail); runs: from
     ``thread_runs``; k8/v8: the key and value pools as flat uint8, k64/v64 the same bytes as uint64;
     tables: ``[batch, max_blocks]`` int32; seq_lens: ``[batch]`` int32 (prefetches run on to the row's last
-    sealed block, as the kernel's do); krow/vrow: payload bytes per row; out: ``[n]`` uint64.
+    sealed block, as the kernel's do); krow/vrow: payload bytes per row; far_blocks: how far ahead the L2
+    prefetch runs (``cpu.FAR_BLOCKS``, 0 for none); out: ``[n]`` uint64.
     """
     it = take_item(runs, t)
     while it >= 0:
@@ -49,7 +52,7 @@ def read_items(t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs,
             idx = np.int64(tables[b, j])
             if idx == 0:  # released: the kernel never reads the null block
                 continue
-            far = np.int64(tables[b, j + 2]) if j + 2 < jp else np.int64(0)
+            far = np.int64(tables[b, j + far_blocks]) if (far_blocks and j + far_blocks < jp) else np.int64(0)
             near = np.int64(tables[b, j + 1]) if j + 1 < jp else np.int64(0)
             for part in range(2):
                 p8 = k8 if part == 0 else v8
@@ -87,7 +90,7 @@ class BlockRead:
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)
         self.args = (k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, seq_lens, kv.kv_heads, kv.block_size, krow,
-                     vrow, self.out)  # fmt: skip
+                     vrow, cpu.FAR_BLOCKS, self.out)  # fmt: skip
         blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))
         self.nbytes = blocks * kv.block_size * (krow + vrow)
 
