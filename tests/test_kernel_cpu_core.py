@@ -250,18 +250,22 @@ def test_fine_work_items_continue_or_merge_exactly(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("name", ["int8", "int4", "kivi2"])
 def test_prefetch_distance_changes_nothing_but_timing(name: str) -> None:
     """The far prefetch distance (a spec's P_FAR) only moves prefetches: every distance, none included, gives
-    bit-identical outputs, also where the distance runs past a sequence's last block."""
+    bit-identical outputs, also where the distance runs past a sequence's last block. One thread, so the
+    partials merge in the same order every call."""
     nbm = cpu._nb()
     kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(16), [300, 17, 16 * 9], kv_heads=2, head_dim=128, seed=9)
     q = torch.randn(3, 8, 128)
     state = cpu._prepare(kv)
     outs = []
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for far in (cpu.FAR_BLOCKS, 0, 1, 5, 40):
             state.kp[nbm.P_FAR] = state.vp[nbm.P_FAR] = far
             outs.append(decode_attention(q, kv, backend="cpu", out=torch.full_like(q, float("nan"))))
     finally:
         state.kp[nbm.P_FAR] = state.vp[nbm.P_FAR] = cpu.FAR_BLOCKS
+        torch.set_num_threads(old)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
     assert_close(outs[0], ref.decode_attention(q, kv, None, None, None), *_tol(kv), name)
