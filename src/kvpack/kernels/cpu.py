@@ -198,9 +198,8 @@ def _prepare(kv: PagedKV) -> _ViewState:
     vp = _params(kv.format.value, kv, kv.v_data, "value")
     if kv.v_data.shape[0] != kv.k_data.shape[0]:
         raise ShapeError(f"key and value pools differ in blocks: {kv.k_data.shape[0]} vs {kv.v_data.shape[0]}")
-    tpk, tpv = kp.copy(), vp.copy()
+    tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
     for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
-        tp[:] = 0
         tp[nbm.P_KIND] = nbm.FLT
         tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
         tp[nbm.P_PER] = src[nbm.P_PER]

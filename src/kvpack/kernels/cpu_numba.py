@@ -1327,6 +1327,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     kunit = _code_unit(kp[P_KIND]) if kint else np.float32(1.0)  # fp8 codes: table words -> values
     vunit = _code_unit(vp[P_KIND]) if vint else np.float32(1.0)
     vspan = vdp // vcs if vcs > 1 else vdp
+    kfar, vfar = kp[P_FAR], vp[P_FAR]  # blocks ahead to prefetch (0: none)
     for j in range(j0, j1):
         if tail:
             idx = b
@@ -1344,7 +1345,6 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
         # the block P_FAR ahead (2: the block after next) is fetched while this one is computed (random block
         # ids: no hardware prefetch); 0 for none
-        kfar, vfar = kp[P_FAR], vp[P_FAR]
         nxt = np.int64(tables[b, j + kfar]) if (kfar and not tail and j + kfar < jp) else np.int64(0)
         vnx = np.int64(tables[b, j + vfar]) if (vfar and not tail and j + vfar < jp) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
