@@ -220,6 +220,15 @@ def build_cache(
     )
 
 
+def launch_options(tuned: dict | None, kv: PagedKV) -> dict[str, int]:
+    """``decode_attention`` launch options from a ``gpu_tune.py`` choice (``num_warps``, ``num_stages``,
+    ``split_factor`` times the default split count); ``{}`` (the defaults) without one."""
+    if not tuned:
+        return {}
+    splits = max(1, round(td.default_num_splits(kv) * tuned["split_factor"]))
+    return {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"], "num_splits": splits}
+
+
 def cache_read_bytes(kv: PagedKV, seq_len: int) -> int:
     """Bytes a fused kernel must read per decode step: sealed blocks (payload + scales), the used tail and
     the used sink rows."""
@@ -367,12 +376,20 @@ def sweep(args, device, timer, copy_gbps, deadline) -> tuple[list[dict], list[di
                 seq_len = ctx - 1  # a partly filled tail, as in a real decode step
                 kv = build_cache(fmt, batch, seq_len, h, d, device, sink=sink)
                 out = torch.empty_like(q)
+                opts = launch_options(args.tuned.get(fmt_name), kv)
                 if fmt.key.rotate:  # the fp8 preset stores keys rotated: the dispatcher rotates the query first
                     rot = key_rotation(d, device)
-                    t = timer(lambda kv=kv, out=out, q=q, rot=rot: td.decode_attention(rotate(q, rot), kv, out=out))
+                    t = timer(
+                        lambda kv=kv, out=out, q=q, rot=rot, o=opts: td.decode_attention(
+                            rotate(q, rot), kv, out=out, **o
+                        )
+                    )
                 else:
-                    t = timer(lambda kv=kv, out=out, q=q: td.decode_attention(q, kv, out=out))
-                record(f"triton:{fmt_name}", fmt_name, t, cache_read_bytes(kv, seq_len))
+                    t = timer(lambda kv=kv, out=out, q=q, o=opts: td.decode_attention(q, kv, out=out, **o))
+                row = record(f"triton:{fmt_name}", fmt_name, t, cache_read_bytes(kv, seq_len))
+                row["launch"] = opts or "default"
+                if fmt_name in args.failed:
+                    row["check_failed"] = True
                 if fmt_name in args.dequant_formats:
                     need = elems * (2 * 2 + 14)  # dense fp16 K and V, plus float32 temporaries of dequantize
                     if need > 0.85 * free():  # (the pool is already allocated)
@@ -402,6 +419,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["provider"])):
         ratio = "-" if r.get("vs_fp16_sdpa") is None else f"{r['vs_fp16_sdpa']:.2f}x"
+        ratio += " CHECK FAILED" if r.get("check_failed") else ""
         lines.append(
             f"{r['batch']:>5} {r['context']:>8} {r['provider']:<22} {r['median_ms']:>10.3f} {r['gbps']:>8.1f} "
             f"{r['pct_copy']:>6.1f} {ratio:>11}"
@@ -416,10 +434,10 @@ def target_report(rows: list[dict]) -> list[str]:
         for r in hits:
             ratio = r.get("vs_fp16_sdpa") or 0.0
             pct = TARGET_PCT_COPY.get(fmt_name)
-            ok = ratio >= want and (pct is None or r["pct_copy"] >= pct)
+            ok = ratio >= want and (pct is None or r["pct_copy"] >= pct) and not r.get("check_failed")
             extra = f", {r['pct_copy']:.0f}% of copy (target {pct:.0f}%)" if pct else ""
             lines.append(f"target {fmt_name} batch {r['batch']} @32k: {ratio:.2f}x fp16 SDPA (target {want}x){extra}: "
-                         f"{'MET' if ok else 'MISSED'}")  # fmt: skip
+                         f"{'MET' if ok else 'MISSED'}{' (its check FAILED)' if r.get('check_failed') else ''}")  # fmt: skip
     return lines
 
 
@@ -439,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new measurements after this")
+    p.add_argument("--tuned", help="a gpu_tune.py JSON: time each format it chose with its launch options")
     args = p.parse_args(argv)
+    args.tuned_path = args.tuned
     t0 = time.monotonic()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -467,9 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_bandwidth(device, (1 << 20) if args.smoke else (4 << 30), timer)
     print(f"device copy: {copy['gbps']:.1f} GB/s (read + write)", flush=True)
 
-    rows, skipped = [], []
-    if not bad:
-        rows, skipped = sweep(args, device, timer, copy["gbps"], t0 + args.budget_s)
+    # A failed check does not stop the sweep (device time is scarce): its format's rows are flagged and the
+    # run exits 1.
+    args.failed = sorted({c["check"].split()[1] for c in bad if c["check"].startswith("decode ")})
+    if args.tuned and not Path(args.tuned).is_file():
+        print(f"no {args.tuned}: default launch options", flush=True)
+    tuned = Path(args.tuned) if args.tuned else None
+    args.tuned = json.loads(tuned.read_text()).get("chosen", {}) if tuned and tuned.is_file() else {}
+    if args.tuned:
+        print(f"launch options from {args.tuned_path}: {args.tuned}", flush=True)
+    rows, skipped = sweep(args, device, timer, copy["gbps"], t0 + args.budget_s)
     result = {**info, "checks": checks, "copy": copy, "timings": rows, "skipped": skipped,
               "targets": target_report(rows), "elapsed_s": time.monotonic() - t0}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -308,8 +308,9 @@ class Launch:
     constexprs: dict[str, Any]
     options: dict[str, int]
 
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+    def run(self) -> Any:
+        """Launch; returns what Triton's launch returns (the compiled kernel: ``n_regs``, ``n_spills``)."""
+        return self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
 
 
 def plan(

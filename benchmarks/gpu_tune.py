@@ -1,0 +1,181 @@
+"""Launch options of the Triton decode kernel on a GPU: warps x pipeline stages x split count, per format.
+
+    python benchmarks/gpu_tune.py --out gpu_tune.json            # an NVIDIA GPU (about 2 minutes on an H200)
+    TRITON_INTERPRET=1 python benchmarks/gpu_tune.py --smoke      # CPU: tiny shapes, every code path once
+
+For each format and batch at one context (default 32k, the targets' context) the cache is built once on the
+device; the default launch (:func:`kvpack.kernels.triton_decode.launch_config`, ``default_num_splits``) and
+every variant are timed the way ``gpu_decode.py`` times (CUDA graph replay, median). Each variant's output is
+compared with the default launch's output, and its registers and spills are recorded. Per format, the variant
+with the lowest geometric mean of (time / default time) over the batches is chosen; the JSON's ``chosen``
+feeds ``gpu_decode.py --tuned``. A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_decode as gd  # (puts src/ on the path)
+
+from kvpack.kernels import triton_decode as td
+from kvpack.rotation import key_rotation, rotate
+
+MAX_ERR = 1e-2  # fp16 outputs of the same function, splits merged in another order
+
+
+def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline: float) -> list[dict]:
+    """Rows for every variant of one (format, batch); the default launch first."""
+    fmt, sink = gd.bench_format(fmt_name, args.block)
+    seq_len = args.context - 1  # a partly filled tail
+    kv = gd.build_cache(fmt, batch, seq_len, args.kv_heads, args.head_dim, device, sink=sink)
+    q = torch.randn(batch, args.q_heads, args.head_dim, device=device, dtype=torch.float16)
+    if fmt.key.rotate:  # rotated keys: the dispatcher rotates the query (outside the timed call here)
+        q = rotate(q, key_rotation(args.head_dim, device))
+    nbytes = gd.cache_read_bytes(kv, seq_len)
+    base_splits = td.default_num_splits(kv)
+    base = td.launch_config(args.head_dim, args.block, args.q_heads // args.kv_heads)
+    want = td.decode_attention(q, kv).float()
+    variants = [(base["num_warps"], base["num_stages"], base_splits)]
+    for warps, stages, factor in itertools.product(args.warps, args.stages, args.split_factors):
+        v = (warps, stages, max(1, round(base_splits * factor)))
+        if v not in variants:
+            variants.append(v)
+    rows = []
+    for warps, stages, splits in variants:
+        row = {"format": fmt_name, "batch": batch, "context": args.context, "num_warps": warps,
+               "num_stages": stages, "num_splits": splits, "split_factor": splits / base_splits,
+               "default": not rows}  # fmt: skip
+        if time.monotonic() > deadline:
+            rows.append({**row, "error": "time budget"})
+            continue
+        try:
+            launches, out = td.plan(q, kv, num_splits=splits, num_warps=warps, num_stages=stages)
+            out.fill_(float("nan"))  # poisoned: every element must be written
+            compiled = launches[0].run()
+            for launch in launches[1:]:
+                launch.run()
+            err = float((out.float() - want).abs().max())
+            row.update(max_abs_err=err, ok=err <= MAX_ERR)
+            row.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
+            row.update(timer(lambda launches=launches: [launch.run() for launch in launches]))
+        except Exception as e:  # a variant that does not compile or launch (too much shared memory, say)
+            rows.append({**row, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9
+        row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+        rows.append(row)
+        print(f"  {fmt_name} b{batch} w{warps} s{stages} splits {splits}: {row['median_ms']:.3f} ms "
+              f"{row['pct_copy']:.0f}% copy, err {err:.1e}, regs {row['n_regs']}", flush=True)  # fmt: skip
+    del kv
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def choose(rows: list[dict], batches: list[int]) -> dict[str, dict]:
+    """Per format, the variant (warps, stages, split factor) with the lowest geometric mean of time relative
+    to the default launch over all batches; only variants that ran correctly at every batch count."""
+    chosen = {}
+    for fmt_name in dict.fromkeys(r["format"] for r in rows):
+        base = {
+            r["batch"]: r["median_ms"] for r in rows if r["format"] == fmt_name and r["default"] and "median_ms" in r
+        }
+        scores: dict[tuple, list[float]] = {}
+        for r in rows:
+            if r["format"] == fmt_name and r.get("ok") and r["batch"] in base:
+                key = (r["num_warps"], r["num_stages"], round(r["split_factor"], 3))
+                scores.setdefault(key, []).append(r["median_ms"] / base[r["batch"]])
+        full = {k: v for k, v in scores.items() if len(v) == len(base) == len(batches)}
+        if not full:
+            continue
+        key, ratios = min(full.items(), key=lambda kv: math.fsum(math.log(x) for x in kv[1]))
+        gain = math.exp(math.fsum(math.log(x) for x in ratios) / len(ratios))
+        chosen[fmt_name] = {"num_warps": key[0], "num_stages": key[1], "split_factor": key[2],
+                            "time_vs_default": gain}  # fmt: skip
+    return chosen
+
+
+def table(rows: list[dict], chosen: dict[str, dict]) -> str:
+    head = f"{'format':<10} {'batch':>5} {'default ms':>10} {'%copy':>6} {'best ms':>8} {'%copy':>6}  best launch"
+    lines = [head, "-" * len(head)]
+    for fmt_name in dict.fromkeys(r["format"] for r in rows):
+        for batch in dict.fromkeys(r["batch"] for r in rows if r["format"] == fmt_name):
+            mine = [r for r in rows if r["format"] == fmt_name and r["batch"] == batch and r.get("ok")]
+            dflt = next((r for r in mine if r["default"]), None)
+            if not mine or dflt is None:
+                lines.append(f"{fmt_name:<10} {batch:>5}  (no correct default run)")
+                continue
+            best = min(mine, key=lambda r: r["median_ms"])
+            lines.append(
+                f"{fmt_name:<10} {batch:>5} {dflt['median_ms']:>10.3f} {dflt['pct_copy']:>6.1f} "
+                f"{best['median_ms']:>8.3f} {best['pct_copy']:>6.1f}  warps {best['num_warps']} stages "
+                f"{best['num_stages']} splits {best['num_splits']}"
+            )
+    for fmt_name, c in chosen.items():
+        lines.append(f"chosen {fmt_name}: {c}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (TRITON_INTERPRET=1 on a CPU)")
+    p.add_argument("--out", default="gpu_tune.json")
+    p.add_argument("--formats", nargs="+", default=["int8", "fp8", "int4"])
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--context", default="32k")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--split-factors", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--budget-s", type=float, default=100.0, help="stop starting new measurements after this")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            print("--smoke on a CPU needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+            return 2
+        args.formats, args.batches, args.context, args.warps, args.stages = ["int8", "int4"], [2], "72", [4], [1]
+        args.split_factors, args.kv_heads, args.q_heads, args.head_dim, args.block = [1, 2], 2, 4, 32, 16
+        args.reps = 2
+    elif not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke and TRITON_INTERPRET=1 to exercise the code paths", file=sys.stderr)
+        return 2
+    args.context = gd.parse_tokens(args.context)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    timer = gd.Timer(device, warmup=1 if args.smoke else 5, reps=args.reps)
+    copy = gd.copy_bandwidth(device, (1 << 20) if args.smoke else (4 << 30), timer)
+    print(f"device copy: {copy['gbps']:.1f} GB/s (read + write)", flush=True)
+    rows = []
+    for fmt_name in args.formats:
+        for batch in args.batches:
+            rows += tune_one(args, device, timer, copy["gbps"], fmt_name, batch, t0 + args.budget_s)
+    chosen = choose(rows, args.batches)
+    bad = [r for r in rows if r.get("ok") is False]
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+              "torch": torch.__version__, "args": vars(args), "copy": copy, "rows": rows, "chosen": chosen,
+              "elapsed_s": time.monotonic() - t0}  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for r in bad:
+        print(f"WRONG OUTPUT: {r}")
+    print(f"results: {args.out} ({result['elapsed_s']:.0f}s)")
+    print(table(rows, chosen))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
