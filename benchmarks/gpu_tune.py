@@ -45,22 +45,22 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
     nbytes = gd.cache_read_bytes(kv, seq_len)
     base_splits = td.default_num_splits(kv)
     base = td.launch_config(args.head_dim, args.block, args.q_heads // args.kv_heads)
-    want = td.decode_attention(q, kv).float()
-    variants = [(base["num_warps"], base["num_stages"], base_splits)]
-    for warps, stages, factor in itertools.product(args.warps, args.stages, args.split_factors):
-        v = (warps, stages, max(1, round(base_splits * factor)))
-        if v not in variants:
-            variants.append(v)
+    want = td.decode_attention(q, kv, codes="convert").float()  # the converter: no bit tricks in the reference
+    integer = any(not s.is_passthrough and not s.dtype.is_fp8 for s in (fmt.key, fmt.value))
     rows = []
-    for warps, stages, splits in variants:
+
+    def run(variants, default_first: bool) -> None:
+        for warps, stages, splits, codes in variants:
+            rows.append(time_variant(warps, stages, splits, codes, default=default_first and not rows))
+
+    def time_variant(warps, stages, splits, codes, default):
         row = {"format": fmt_name, "batch": batch, "context": args.context, "num_warps": warps,
                "num_stages": stages, "num_splits": splits, "split_factor": splits / base_splits,
-               "default": not rows}  # fmt: skip
+               "codes": codes, "default": default}  # fmt: skip
         if time.monotonic() > deadline:
-            rows.append({**row, "error": "time budget"})
-            continue
+            return {**row, "error": "time budget"}
         try:
-            launches, out = td.plan(q, kv, num_splits=splits, num_warps=warps, num_stages=stages)
+            launches, out = td.plan(q, kv, num_splits=splits, num_warps=warps, num_stages=stages, codes=codes)
             out.fill_(float("nan"))  # poisoned: every element must be written
             compiled = launches[0].run()
             for launch in launches[1:]:
@@ -70,16 +70,24 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
             row.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
             row.update(timer(lambda launches=launches: [launch.run() for launch in launches]))
         except Exception as e:  # a variant that does not compile or launch (too much shared memory, say)
-            rows.append({**row, "error": f"{type(e).__name__}: {e}"[:300]})
-            continue
+            return {**row, "error": f"{type(e).__name__}: {e}"[:300]}
         row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9
         row["pct_copy"] = 100 * row["gbps"] / copy_gbps
-        rows.append(row)
-        print(f"  {fmt_name} b{batch} w{warps} s{stages} splits {splits}: {row['median_ms']:.3f} ms "
+        print(f"  {fmt_name} b{batch} w{warps} s{stages} splits {splits} {codes}: {row['median_ms']:.3f} ms "
               f"{row['pct_copy']:.0f}% copy, err {err:.1e}, regs {row['n_regs']}", flush=True)  # fmt: skip
-    del kv
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        return row
+
+    # 1. how codes become numbers, at the default launch (the library's default first)
+    run([(base["num_warps"], base["num_stages"], base_splits, c) for c in (args.codes if integer else [None])], True)
+    timed = [r for r in rows if r.get("ok")]
+    codes = min(timed, key=lambda r: r["median_ms"])["codes"] if timed else None
+    # 2. warps x stages x splits with the fastest codes
+    grid = []
+    for warps, stages, factor in itertools.product(args.warps, args.stages, args.split_factors):
+        v = (warps, stages, max(1, round(base_splits * factor)), codes)
+        if v not in grid and v != (base["num_warps"], base["num_stages"], base_splits, codes):
+            grid.append(v)
+    run(grid, False)
     return rows
 
 
@@ -94,14 +102,14 @@ def choose(rows: list[dict], batches: list[int]) -> dict[str, dict]:
         scores: dict[tuple, list[float]] = {}
         for r in rows:
             if r["format"] == fmt_name and r.get("ok") and r["batch"] in base:
-                key = (r["num_warps"], r["num_stages"], round(r["split_factor"], 3))
+                key = (r["num_warps"], r["num_stages"], round(r["split_factor"], 3), r["codes"])
                 scores.setdefault(key, []).append(r["median_ms"] / base[r["batch"]])
         full = {k: v for k, v in scores.items() if len(v) == len(base) == len(batches)}
         if not full:
             continue
         key, ratios = min(full.items(), key=lambda kv: math.fsum(math.log(x) for x in kv[1]))
         gain = math.exp(math.fsum(math.log(x) for x in ratios) / len(ratios))
-        chosen[fmt_name] = {"num_warps": key[0], "num_stages": key[1], "split_factor": key[2],
+        chosen[fmt_name] = {"num_warps": key[0], "num_stages": key[1], "split_factor": key[2], "codes": key[3],
                             "time_vs_default": gain}  # fmt: skip
     return chosen
 
@@ -120,7 +128,7 @@ def table(rows: list[dict], chosen: dict[str, dict]) -> str:
             lines.append(
                 f"{fmt_name:<10} {batch:>5} {dflt['median_ms']:>10.3f} {dflt['pct_copy']:>6.1f} "
                 f"{best['median_ms']:>8.3f} {best['pct_copy']:>6.1f}  warps {best['num_warps']} stages "
-                f"{best['num_stages']} splits {best['num_splits']}"
+                f"{best['num_stages']} splits {best['num_splits']} codes {best['codes']}"
             )
     for fmt_name, c in chosen.items():
         lines.append(f"chosen {fmt_name}: {c}")
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--out", default="gpu_tune.json")
-    p.add_argument("--formats", nargs="+", default=["int8", "fp8", "int4"])
+    p.add_argument("--formats", nargs="+", default=["int8", "fp8", "int4", "kivi2"])
+    p.add_argument("--codes", nargs="+", default=["ptx", "bits", "convert"], help="for formats with integer codes")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--context", default="32k")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.formats, args.batches, args.context, args.warps, args.stages = ["int8", "int4"], [2], "72", [4], [1]
         args.split_factors, args.kv_heads, args.q_heads, args.head_dim, args.block = [1, 2], 2, 4, 32, 16
+        args.codes = ["bits", "convert"]  # no PTX under the interpreter
         args.reps = 2
     elif not torch.cuda.is_available():
         print("no CUDA device: run with --smoke and TRITON_INTERPRET=1 to exercise the code paths", file=sys.stderr)
@@ -164,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     for fmt_name in args.formats:
         for batch in args.batches:
             rows += tune_one(args, device, timer, copy["gbps"], fmt_name, batch, t0 + args.budget_s)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the cache built for this format and batch is gone
     chosen = choose(rows, args.batches)
     bad = [r for r in rows if r.get("ok") is False]
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",

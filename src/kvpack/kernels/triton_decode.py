@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvpack.errors import ShapeError, UnsupportedError
+from kvpack.errors import ConfigError, ShapeError, UnsupportedError
 from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
 from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
@@ -292,6 +292,24 @@ def _sink_args(kv: PagedKV) -> tuple:
     return (k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2), kv.sink)
 
 
+# How integer codes become numbers in the kernel (``CVT``): the float converter, or float16 built from the bits
+# in Triton or in inline PTX (see ``triton_kernels._codes``). PTX runs on NVIDIA GPUs only, never interpreted.
+CODES = {"convert": 0, "bits": 1, "ptx": 2}
+
+
+def default_codes() -> int:
+    """``CVT`` for a launch: PTX on a GPU, Triton bit arithmetic under the interpreter."""
+    return CODES["bits"] if _kernels().INTERPRETED else CODES["ptx"]
+
+
+def code_dot_dtype(spec: QuantSpec, dot: Any, cvt: int) -> Any:
+    """The dtype a role's sealed tiles multiply in: float16 for integer codes built as float16 with a 16-bit
+    query (float16 holds every code exactly and has more mantissa than bfloat16), else the query's dtype."""
+    k = _kernels()
+    integer = not spec.is_passthrough and not spec.dtype.is_fp8
+    return k.tl.float16 if integer and cvt > 0 and dot != k.tl.float32 else dot
+
+
 def launch_config(head_dim: int, block_size: int, group: int) -> dict[str, int]:
     """``num_warps`` and ``num_stages`` for a tile of ``block_size x head_dim`` (H100/H200 defaults)."""
     big = block_size * head_dim >= 64 * 128 or group > 16
@@ -323,6 +341,7 @@ def plan(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    codes: str | None = None,
 ) -> tuple[list[Launch], torch.Tensor]:
     """Check the case and build the launches (decode, then the merge when split) and the output tensor.
 
@@ -330,6 +349,12 @@ def plan(
     """
     _check(q, kv, out)
     k = _kernels()
+    dot = {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype]
+    if codes is not None and codes not in CODES:
+        raise ConfigError(f"codes must be one of {sorted(CODES)}, got {codes!r}")
+    if codes == "ptx" and k.INTERPRETED:
+        raise ConfigError("codes='ptx' runs on an NVIDIA GPU only, not under TRITON_INTERPRET=1; use 'bits'")
+    cvt = default_codes() if codes is None else CODES[codes]
     batch, hq, d = q.shape
     h, b = kv.kv_heads, kv.block_size
     group = hq // h
@@ -381,8 +406,12 @@ def plan(
         **{f"V_{n}": v for n, v in vc.items()},
         "N_OUT": n_out,
         "BLOCK_O": max(2, _next_pow2(n_out)),
-        # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate.
-        "DOT": {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype],
+        # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate; integer codes built as float16
+        # (exact) multiply in float16 for 16-bit queries (code_dot_dtype).
+        "DOT": dot,
+        "CVT": cvt,
+        "K_CD": code_dot_dtype(kv.format.key, dot, cvt),
+        "V_CD": code_dot_dtype(kv.format.value, dot, cvt),
     }
     cfg = launch_config(d, b, group)
     cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
@@ -462,6 +491,7 @@ def decode_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    codes: str | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query per sequence, over its paged history (see ``kvpack.kernels``).
 
@@ -473,6 +503,7 @@ def decode_attention(
         out: optional ``[batch, Hq, D]`` buffer in ``q.dtype``.
         num_splits: splits of each sequence's blocks (default :func:`default_num_splits`).
         num_warps, num_stages: launch options (default :func:`launch_config`).
+        codes: how integer codes become numbers, one of :data:`CODES` (default :func:`default_codes`).
 
     Returns:
         ``[batch, Hq, D]`` in ``q.dtype``. A sequence with nothing to attend gets zeros.
@@ -485,7 +516,7 @@ def decode_attention(
     if reasons:
         raise UnsupportedError("the triton backend cannot run this case: " + "; ".join(reasons), reasons)
     launches, result = plan(
-        q, kv, sm_scale, window, out, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages
+        q, kv, sm_scale, window, out, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, codes=codes
     )
     for launch in launches:
         launch.run()

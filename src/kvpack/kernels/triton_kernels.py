@@ -46,9 +46,18 @@ def _decode_scale(stored, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
-    """Part ``J`` of a loaded payload tile as float32: integer codes (signed when symmetric) or values."""
-    if KIND == 1 or KIND == 2:
+def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CVT: tl.constexpr):
+    """Part ``J`` of a loaded payload tile: integer codes (signed when symmetric) or values.
+
+    ``CVT`` picks how integer codes become numbers (float payloads always convert): 0 float32 through the
+    converter (``I2F``, a quarter-rate instruction on NVIDIA GPUs), 1 float16 built from the bits in Triton,
+    2 float16 built from the bits in inline PTX (GPUs only). Codes are small integers, exact in float16.
+    """
+    if (KIND == 1 or KIND == 2) and CVT == 2:
+        c = _codes_ptx(raw, J, KIND, BITS)
+    elif (KIND == 1 or KIND == 2) and CVT == 1:
+        c = _codes_bits(raw, J, KIND, BITS)
+    elif KIND == 1 or KIND == 2:
         if BITS == 8:
             c = raw.to(tl.float32)
         else:
@@ -57,6 +66,131 @@ def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
                 c = c - (1 << (BITS - 1))  # offset binary
     else:
         c = raw.to(tl.float32)
+    return c
+
+
+# Integer codes to float16 from the bits: the float16 whose bits are 0x6400 | u is 1024 + u for 0 <= u < 1024,
+# so a code u (or u << shift) OR-ed under that exponent and one float16 subtract (or fused multiply-add)
+# gives the code exactly, with no conversion instruction. In PTX, four payload bytes at a time:
+# ``prmt`` spreads two bytes into the low bytes of two float16 halves, ``and``/``or`` keep the code's bits and
+# set the exponent (one ``lop3``), and ``fma.rn.f16x2`` scales by 2**-shift and removes 1024 and the offset.
+
+
+def _f16x2(x: float) -> str:
+    """``x`` as a float16 pair in one 32-bit immediate (exact for the constants used here)."""
+    import struct
+
+    (h,) = struct.unpack("<H", struct.pack("<e", x))
+    assert struct.unpack("<e", struct.pack("<H", h))[0] == x, x
+    return f"0x{h:04x}{h:04x}"
+
+
+def _codes_asm(bits: int, j: int, signed: bool) -> str:
+    """PTX for part ``j`` of four packed payload bytes ``$2`` -> four float16 codes in ``$0`` (codes 0, 1) and
+    ``$1`` (codes 2, 3). Symmetric codes: int8 two's complement, narrower offset binary."""
+    lines = ["{", ".reg .b32 t0, t1, m, a;"]
+    if bits == 8:  # the whole byte is the code: prmt takes the exponent byte 0x64 from m, no masking
+        shift, off = 0, 128 if signed else 0
+        lines += ["xor.b32 t1, $2, 0x80808080;" if signed else "mov.b32 t1, $2;"]  # int8 -> offset binary
+        lines += ["mov.b32 m, 0x64646464;", "prmt.b32 t0, t1, m, 0x4140;", "prmt.b32 t1, t1, m, 0x4342;"]
+    else:
+        shift, off = j * bits, (1 << (bits - 1)) if signed else 0
+        mask = (((1 << bits) - 1) << shift) * 0x10001
+        lines += [
+            "mov.b32 m, 0;",
+            "prmt.b32 t0, $2, m, 0x4140;",  # bytes 0, 1 -> the low bytes of the two halves
+            "prmt.b32 t1, $2, m, 0x4342;",  # bytes 2, 3
+            f"and.b32 t0, t0, 0x{mask:08x};",
+            f"and.b32 t1, t1, 0x{mask:08x};",
+            "or.b32 t0, t0, 0x64006400;",
+            "or.b32 t1, t1, 0x64006400;",
+        ]
+    lines += [
+        f"mov.b32 m, {_f16x2(2.0**-shift)};",
+        f"mov.b32 a, {_f16x2(-(1024.0 * 2.0**-shift + off))};",
+        "fma.rn.f16x2 $0, t0, m, a;",
+        "fma.rn.f16x2 $1, t1, m, a;",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+_PTX_8S = tl.constexpr(_codes_asm(8, 0, True))
+_PTX_8U = tl.constexpr(_codes_asm(8, 0, False))
+_PTX_4S0 = tl.constexpr(_codes_asm(4, 0, True))
+_PTX_4S1 = tl.constexpr(_codes_asm(4, 1, True))
+_PTX_4U0 = tl.constexpr(_codes_asm(4, 0, False))
+_PTX_4U1 = tl.constexpr(_codes_asm(4, 1, False))
+_PTX_2S0 = tl.constexpr(_codes_asm(2, 0, True))
+_PTX_2S1 = tl.constexpr(_codes_asm(2, 1, True))
+_PTX_2S2 = tl.constexpr(_codes_asm(2, 2, True))
+_PTX_2S3 = tl.constexpr(_codes_asm(2, 3, True))
+_PTX_2U0 = tl.constexpr(_codes_asm(2, 0, False))
+_PTX_2U1 = tl.constexpr(_codes_asm(2, 1, False))
+_PTX_2U2 = tl.constexpr(_codes_asm(2, 2, False))
+_PTX_2U3 = tl.constexpr(_codes_asm(2, 3, False))
+
+
+@triton.jit
+def _ptx4(asm: tl.constexpr, raw):
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _codes_ptx(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes of part ``J`` as float16, from the bits in inline PTX (see ``_codes_asm``)."""
+    if BITS == 8:
+        if KIND == 1:
+            c = _ptx4(_PTX_8S, raw)
+        else:
+            c = _ptx4(_PTX_8U, raw)
+    elif BITS == 4:
+        if KIND == 1:
+            if J == 0:
+                c = _ptx4(_PTX_4S0, raw)
+            else:
+                c = _ptx4(_PTX_4S1, raw)
+        else:
+            if J == 0:
+                c = _ptx4(_PTX_4U0, raw)
+            else:
+                c = _ptx4(_PTX_4U1, raw)
+    else:
+        if KIND == 1:
+            if J == 0:
+                c = _ptx4(_PTX_2S0, raw)
+            elif J == 1:
+                c = _ptx4(_PTX_2S1, raw)
+            elif J == 2:
+                c = _ptx4(_PTX_2S2, raw)
+            else:
+                c = _ptx4(_PTX_2S3, raw)
+        else:
+            if J == 0:
+                c = _ptx4(_PTX_2U0, raw)
+            elif J == 1:
+                c = _ptx4(_PTX_2U1, raw)
+            elif J == 2:
+                c = _ptx4(_PTX_2U2, raw)
+            else:
+                c = _ptx4(_PTX_2U3, raw)
+    return c
+
+
+@triton.jit
+def _codes_bits(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes of part ``J`` as float16, from the bits in Triton (the same arithmetic as the PTX)."""
+    u = raw.to(tl.uint8, bitcast=True).to(tl.int32)
+    if BITS == 8:
+        if KIND == 1:
+            u = u ^ 0x80  # two's complement -> offset binary
+    else:
+        u = (u >> (J * BITS)) & ((1 << BITS) - 1)
+    h = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + u
+    if KIND == 1:
+        c = h - (1024.0 + (1 << (BITS - 1)))
+    else:
+        c = h - 1024.0
     return c
 
 
@@ -100,6 +234,7 @@ def _key_scores(
     SCALE: tl.constexpr,
     CGROUP: tl.constexpr,
     E8M0: tl.constexpr,
+    CVT: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DP: tl.constexpr,
@@ -110,7 +245,7 @@ def _key_scores(
     Per-channel and scalar key scales are folded into the query; per-token scales multiply the scores;
     asymmetric zeros add ``sum(q * z)``; only per-group scales dequantize the tile in registers.
     """
-    c = _codes(raw, J, KIND, BITS)
+    c = _codes(raw, J, KIND, BITS, CVT)
     if SCALE == 0:
         sc = tl.dot(qd, tl.trans(c.to(DOT)))
     elif SCALE == 1:
@@ -158,6 +293,7 @@ def _value_part(
     SCALE: tl.constexpr,
     CGROUP: tl.constexpr,
     E8M0: tl.constexpr,
+    CVT: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DP: tl.constexpr,
@@ -168,7 +304,7 @@ def _value_part(
     Per-token value scales are folded into ``p``; scalar and per-channel scales multiply the result;
     zeros add ``sum(p * z)``; per-group scales dequantize the tile in registers.
     """
-    c = _codes(raw, J, KIND, BITS)
+    c = _codes(raw, J, KIND, BITS, CVT)
     if SCALE == 0:
         o = tl.dot(pd, c.to(DOT))
     elif SCALE == 1:
@@ -275,7 +411,7 @@ def paged_decode_kernel(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
     N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -320,10 +456,12 @@ def paged_decode_kernel(
         q3 = tl.load(q_rows + (offs_pk * K_PER + 3)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
         q2 = q2 * qk_scale
         q3 = q3 * qk_scale
-    qd0 = q0.to(DOT)
-    qd1 = q1.to(DOT)
-    qd2 = q2.to(DOT)
-    qd3 = q3.to(DOT)
+    # Sealed keys multiply in K_CD (float16 when integer codes are built as float16, else the query's dtype);
+    # the full-precision sink and tail rows in the query's dtype.
+    qd0 = q0.to(K_CD)
+    qd1 = q1.to(K_CD)
+    qd2 = q2.to(K_CD)
+    qd3 = q3.to(K_CD)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -341,7 +479,8 @@ def paged_decode_kernel(
             kr = sk_ptr + pid_b * ssk_b + pid_h * ssk_h + offs_r[:, None] * ssk_t
             vr = sv_ptr + pid_b * ssv_b + pid_h * ssv_h + offs_r[:, None] * ssv_t
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
-                kr, vr, offs_pk, offs_pv, valid[:, None], valid, qd0, qd1, qd2, qd3, m_i, l_i,
+                kr, vr, offs_pk, offs_pv, valid[:, None], valid, q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT),
+                m_i, l_i,
                 acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
 
     # fmt: off
@@ -352,15 +491,15 @@ def paged_decode_kernel(
         sb = ks_ptr + blk * sks_n + pid_h * sks_h
         zb = kz_ptr + blk * skz_n + pid_h * skz_h
         s = _key_scores(q0, qd0, raw, sb, zb, offs_t, offs_pk * K_PER, sks_t, sks_c, skz_t, skz_c,
-                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if K_PER >= 2:
             s += _key_scores(q1, qd1, raw, sb, zb, offs_t, offs_pk * K_PER + 1, sks_t, sks_c, skz_t, skz_c,
-                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if K_PER >= 4:
             s += _key_scores(q2, qd2, raw, sb, zb, offs_t, offs_pk * K_PER + 2, sks_t, sks_c, skz_t, skz_c,
-                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
-                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, DOT, BLOCK_SIZE, DK, K_PER)
+                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
             offs_o = tl.arange(0, BLOCK_O)
             o_mask = offs_o < N_OUT
@@ -371,25 +510,25 @@ def paged_decode_kernel(
             s += tl.sum((qo.to(tl.float32) * qk_scale)[:, None, :] * r.to(tl.float32)[None, :, :], axis=2)
         s = tl.where((i * BLOCK_SIZE + offs_t >= lo_sealed)[None, :], s, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-        pd = p.to(DOT)
+        pd = p.to(V_CD)
         # ---- values
         raw = tl.load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :])
         sb = vs_ptr + blk * svs_n + pid_h * svs_h
         zb = vz_ptr + blk * svz_n + pid_h * svz_h
         acc0 = acc0 * alpha[:, None] + _value_part(
             p, pd, raw, sb, zb, offs_t, offs_pv * V_PER, svs_t, svs_c, svz_t, svz_c,
-            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
         if V_PER >= 2:
             acc1 = acc1 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 1, svs_t, svs_c, svz_t, svz_c,
-                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
         if V_PER >= 4:
             acc2 = acc2 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 2, svs_t, svs_c, svz_t, svz_c,
-                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
             acc3 = acc3 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 3, svs_t, svs_c, svz_t, svz_c,
-                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, DOT, BLOCK_SIZE, DV, V_PER)
+                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
     # fmt: on
 
     # ---- the full-precision tail, attended last by the last split
@@ -400,7 +539,7 @@ def paged_decode_kernel(
         tk = tk_ptr + pid_b * stk_b + pid_h * stk_h + offs_t[:, None] * stk_t
         tv = tv_ptr + pid_b * stv_b + pid_h * stv_h + offs_t[:, None] * stv_t
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
-            tk, tv, offs_pk, offs_pv, t_mask, valid, qd0, qd1, qd2, qd3, m_i, l_i,
+            tk, tv, offs_pk, offs_pv, t_mask, valid, q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
             acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
 
     # ---- results: normalized output when there is one split, else the partial sums for the merge
