@@ -218,7 +218,7 @@ def test_bad_shapes_raise_before_launch():
 def test_default_splits_fill_the_machine_without_tiny_splits():
     fmt = parse_format("int8,block=16")
     kv, _, _ = random_paged_kv(fmt, [16 * 40], kv_heads=1, head_dim=16)
-    assert td.default_num_splits(kv) == 8  # 2 "SMs" on the CPU: 4 per SM, 40 blocks allow 10
+    assert td.default_num_splits(kv) == 10  # 2 "SMs" on the CPU: 16 per SM wants 32, 40 blocks allow 10
     assert td.default_num_splits(kv, window=40) == 1  # a short window reads 4 blocks at most
     assert td.spec_constants(fmt.value, 2, 16, 64) == {
         "KIND": 1, "BITS": 8, "PER": 1, "SCALE": 3, "CGROUP": 64, "E8M0": False

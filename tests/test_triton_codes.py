@@ -1,8 +1,8 @@
 """Integer codes built as float16 from their bits (``triton_kernels._codes``, ``CVT`` 1 and 2).
 
 The Triton bit arithmetic runs here under the interpreter on every byte value. The inline PTX cannot run
-without a GPU, so its text is executed by a small emulator of the six instructions it uses (``mov``, ``xor``,
-``prmt``, ``and``, ``or``, ``fma.rn.f16x2``), with the operand packing Triton uses for ``pack=4``: four
+without a GPU, so its text is executed by a small emulator of the instructions it uses (``mov``, ``xor``,
+``prmt``, ``and``, ``or``, ``fma.rn.f16x2``, and the fp8 ``cvt.rn.f16x2`` forms), with the operand packing Triton uses for ``pack=4``: four
 payload bytes in ``$2`` (element 0 in the low byte), codes 0-1 in ``$0`` and 2-3 in ``$1`` (element 0 in the
 low half). ``benchmarks/gpu_decode.py`` checks the PTX path on a GPU against the reference.
 """
@@ -66,6 +66,7 @@ def _to_word(lo: float, hi: float) -> int:
 
 
 def _fma_f16(a: float, b: float, c: float) -> float:
+    """``a * b + c`` with one rounding to float16."""
     return float(np.float16(a * b + c))  # exact product and sum in float64, one rounding to float16
 
 
@@ -83,7 +84,7 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
             continue
         op, args = line.split(None, 1)
         dst, *src = [a.strip() for a in args.split(",")]
-        if op == "mov.b32":
+        if op == "mov.b32" and not dst.startswith("{"):
             regs[dst] = val(src[0])
         elif op == "xor.b32":
             regs[dst] = val(src[0]) ^ val(src[1])
@@ -98,6 +99,14 @@ def run_ptx(text: str, operands: dict[str, int]) -> dict[str, int]:
         elif op == "fma.rn.f16x2":
             a, b, c = (_f16x2(val(x)) for x in src)
             regs[dst] = _to_word(*(_fma_f16(a[i], b[i], c[i]) for i in range(2)))
+        elif op == "mov.b32" and dst.startswith("{"):  # mov.b32 {lo, hi}, $2: split into two 16-bit halves
+            lo, hi = dst.strip("{ "), src[0].strip(" }")
+            word = val(src[1])
+            regs[lo], regs[hi] = word & 0xFFFF, word >> 16
+        elif op in ("cvt.rn.f16x2.e4m3x2", "cvt.rn.f16x2.e5m2x2"):  # low byte -> low half
+            fp8 = torch.float8_e4m3fn if "e4m3" in op else torch.float8_e5m2
+            pair = torch.tensor([val(src[0]) & 0xFF, val(src[0]) >> 8], dtype=torch.uint8).view(fp8)
+            regs[dst] = _to_word(*pair.to(torch.float32).tolist())
         else:
             raise AssertionError(f"instruction the emulator does not know: {line}")
     return regs
@@ -114,6 +123,18 @@ def test_ptx_text_gives_every_code_exactly(bits, j, signed):
         regs = run_ptx(text, {"$2": word, "$0": 0xDEADBEEF, "$1": 0xDEADBEEF})
         got[w : w + 4] = [*_f16x2(regs["$0"]), *_f16x2(regs["$1"])]
     np.testing.assert_array_equal(got, expected_codes(byte, bits, j, signed))
+
+
+@pytest.mark.parametrize("name,fp8", [("_PTX_E4M3", torch.float8_e4m3fn), ("_PTX_E5M2", torch.float8_e5m2)])
+def test_fp8_ptx_text_gives_every_value_exactly(name, fp8):
+    text = getattr(tk, name).value
+    byte = np.arange(256, dtype=np.uint8)
+    want = torch.from_numpy(byte.copy()).view(fp8).to(torch.float32).numpy()
+    got = np.empty(256, dtype=np.float32)
+    for w in range(0, 256, 4):
+        regs = run_ptx(text, {"$2": int.from_bytes(bytes(byte[w : w + 4]), "little"), "$0": 0, "$1": 0})
+        got[w : w + 4] = [*_f16x2(regs["$0"]), *_f16x2(regs["$1"])]
+    np.testing.assert_array_equal(got, want)  # NaN codes stay NaN (assert_array_equal treats NaN == NaN)
 
 
 def test_ptx_codes_are_refused_under_the_interpreter_and_unknown_names_everywhere():

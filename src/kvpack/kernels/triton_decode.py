@@ -43,6 +43,7 @@ SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scor
 SUPPORTS_SINK = True  # full-precision sink positions replace their sealed rows inside the kernel
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains in parallelism
+PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/gpu_tune.py): 16 beat 4 by 1.06-1.6x at batch 16-64
 MAX_SPLITS = 64
 
 
@@ -259,14 +260,14 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
 
 
 def default_num_splits(kv: PagedKV, window: int | None = None, device: torch.device | None = None) -> int:
-    """Splits per (sequence, kv head): enough programs to fill the GPU (about 4 per SM), never fewer than
-    ``MIN_BLOCKS_PER_SPLIT`` blocks per split. Uses only shapes (no device sync)."""
+    """Splits per (sequence, kv head): enough programs to keep the GPU's memory busy (``PROGRAMS_PER_SM``),
+    never fewer than ``MIN_BLOCKS_PER_SPLIT`` blocks per split. Uses only shapes (no device sync)."""
     device = device or kv.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     blocks = kv.block_tables.shape[1]
     if window is not None:
         blocks = min(blocks, math.ceil(window / kv.block_size) + 1)
-    want = math.ceil(4 * sms / max(1, kv.batch * kv.kv_heads))
+    want = math.ceil(PROGRAMS_PER_SM * sms / max(1, kv.batch * kv.kv_heads))
     cap = max(1, blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -298,7 +299,8 @@ CODES = {"convert": 0, "bits": 1, "ptx": 2}
 
 
 def default_codes() -> int:
-    """``CVT`` for a launch: PTX on a GPU, Triton bit arithmetic under the interpreter."""
+    """``CVT`` for a launch: PTX on a GPU (8-bit codes; packed codes use the bit arithmetic), the bit
+    arithmetic under the interpreter."""
     return CODES["bits"] if _kernels().INTERPRETED else CODES["ptx"]
 
 
@@ -307,11 +309,26 @@ def code_dot_dtype(spec: QuantSpec, dot: Any, cvt: int) -> Any:
     query (float16 holds every code exactly and has more mantissa than bfloat16), else the query's dtype."""
     k = _kernels()
     integer = not spec.is_passthrough and not spec.dtype.is_fp8
-    return k.tl.float16 if integer and cvt > 0 and dot != k.tl.float32 else dot
+    as_f16 = (integer and cvt > 0) or (spec.dtype.is_fp8 and cvt == CODES["ptx"])  # fp8 -> float16 is exact too
+    return k.tl.float16 if as_f16 and dot != k.tl.float32 else dot
 
 
-def launch_config(head_dim: int, block_size: int, group: int) -> dict[str, int]:
-    """``num_warps`` and ``num_stages`` for a tile of ``block_size x head_dim`` (H100/H200 defaults)."""
+def group_in_f16(spec: QuantSpec, dot: Any, cvt: int) -> bool:
+    """Whether a role's per-group dequantization runs in float16: its codes arrive as float16 (see
+    :func:`code_dot_dtype`) and its scales (and zeros) are stored as float16."""
+    f16 = code_dot_dtype(spec, dot, cvt) == _kernels().tl.float16
+    return cvt > 0 and f16 and spec.scale_dtype is ScaleDType.FP16
+
+
+def launch_config(head_dim: int, block_size: int, group: int, quantized: bool = True) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` for a tile of ``block_size x head_dim``.
+
+    Quantized tiles: 4 warps and 3 stages, the fastest or within 1% of it on an H200 for int8, fp8, int4 and
+    kivi2 at batch 16 and 64, 32k (benchmarks/gpu_tune.py; 8 warps were 1.2-1.4x slower). Full-precision
+    tiles keep 8 warps for big tiles (not re-tuned).
+    """
+    if quantized and group <= 16:
+        return {"num_warps": 4, "num_stages": 3}
     big = block_size * head_dim >= 64 * 128 or group > 16
     return {"num_warps": 8 if big else 4, "num_stages": 2}
 
@@ -412,8 +429,11 @@ def plan(
         "CVT": cvt,
         "K_CD": code_dot_dtype(kv.format.key, dot, cvt),
         "V_CD": code_dot_dtype(kv.format.value, dot, cvt),
+        # per-group scales dequantize float16 codes in float16 when they are stored as float16
+        "K_GF16": group_in_f16(kv.format.key, dot, cvt),
+        "V_GF16": group_in_f16(kv.format.value, dot, cvt),
     }
-    cfg = launch_config(d, b, group)
+    cfg = launch_config(d, b, group, not (kv.format.key.is_passthrough and kv.format.value.is_passthrough))
     cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
     launches = [Launch(k.paged_decode_kernel, (batch, h, splits), args, constexprs, cfg)]
     if splits > 1:

@@ -51,11 +51,15 @@ def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CVT: tl
 
     ``CVT`` picks how integer codes become numbers (float payloads always convert): 0 float32 through the
     converter (``I2F``, a quarter-rate instruction on NVIDIA GPUs), 1 float16 built from the bits in Triton,
-    2 float16 built from the bits in inline PTX (GPUs only). Codes are small integers, exact in float16.
+    2 float16 built from the bits in inline PTX for 8-bit codes (GPUs only; packed codes as 1: on an H200 the
+    PTX for packed fields was 1.5-1.8x slower than 1, see docs/performance.md). Codes are small integers,
+    exact in float16.
     """
     if (KIND == 1 or KIND == 2) and CVT == 2:
         c = _codes_ptx(raw, J, KIND, BITS)
-    elif (KIND == 1 or KIND == 2) and CVT == 1:
+    elif KIND == 3 and CVT == 2:
+        c = _fp8_ptx(raw)
+    elif (KIND == 1 or KIND == 2) and CVT >= 1:
         c = _codes_bits(raw, J, KIND, BITS)
     elif KIND == 1 or KIND == 2:
         if BITS == 8:
@@ -133,7 +137,30 @@ _PTX_2U3 = tl.constexpr(_codes_asm(2, 3, False))
 
 @triton.jit
 def _ptx4(asm: tl.constexpr, raw):
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    """Four payload bytes per asm -> float16. Not marked pure on purpose: Triton then keeps the conversion in
+    the load's register layout (contiguous bytes per thread) instead of moving it after the change to the dot
+    operand layout, where 8-bit elements are gathered byte by byte from shared memory (on sm_90: 64
+    ``LDS.U8`` per thread and block, 679 instructions in the block loop against 525, 167 registers against 128)."""
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+
+
+_PTX_E4M3 = tl.constexpr(
+    "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}"
+)
+_PTX_E5M2 = tl.constexpr(
+    "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e5m2x2 $0, lo;\ncvt.rn.f16x2.e5m2x2 $1, hi;\n}"
+)
+
+
+@triton.jit
+def _fp8_ptx(raw):
+    """fp8 payload -> float16 (exact: e4m3 and e5m2 values are all float16 values), four bytes per asm, in the
+    load's register layout (see ``_ptx4``)."""
+    if raw.dtype.is_fp8e5():
+        c = tl.inline_asm_elementwise(_PTX_E5M2, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        c = tl.inline_asm_elementwise(_PTX_E4M3, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+    return c
 
 
 @triton.jit
@@ -200,8 +227,9 @@ def _codes_bits(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _group_params(base, offs_t, offs_c, st, sc, E8M0: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr,
-                  PER: tl.constexpr, CGROUP: tl.constexpr):  # fmt: skip
-    """Per-(token, channel group) scales or zeros of one part as a float32 ``[BLOCK_SIZE, DP]`` tile.
+                  PER: tl.constexpr, CGROUP: tl.constexpr, STORED: tl.constexpr = False):  # fmt: skip
+    """Per-(token, channel group) scales or zeros of one part as a float32 ``[BLOCK_SIZE, DP]`` tile (in the
+    stored dtype with ``STORED``: float16 scales stay float16).
 
     When a group spans whole payload bytes (``CGROUP % PER == 0``), the columns of a part fall into groups in
     runs of ``CGROUP // PER``: load the small contiguous ``[BLOCK_SIZE, groups]`` array once and broadcast it
@@ -209,10 +237,15 @@ def _group_params(base, offs_t, offs_c, st, sc, E8M0: tl.constexpr, BLOCK_SIZE: 
     """
     if CGROUP % PER == 0:
         CS: tl.constexpr = DP * PER // CGROUP
-        small = _decode_scale(tl.load(base + offs_t[:, None] * st + tl.arange(0, CS)[None, :] * sc), E8M0)
+        small = tl.load(base + offs_t[:, None] * st + tl.arange(0, CS)[None, :] * sc)
+        if not STORED:
+            small = _decode_scale(small, E8M0)
         return tl.reshape(tl.broadcast_to(small[:, :, None], [BLOCK_SIZE, CS, CGROUP // PER]), [BLOCK_SIZE, DP])
     else:
-        return _decode_scale(tl.load(base + offs_t[:, None] * st + (offs_c // CGROUP)[None, :] * sc), E8M0)
+        params = tl.load(base + offs_t[:, None] * st + (offs_c // CGROUP)[None, :] * sc)
+        if not STORED:
+            params = _decode_scale(params, E8M0)
+        return params
 
 
 @triton.jit
@@ -234,6 +267,7 @@ def _key_scores(
     SCALE: tl.constexpr,
     CGROUP: tl.constexpr,
     E8M0: tl.constexpr,
+    GF16: tl.constexpr,
     CVT: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -266,10 +300,10 @@ def _key_scores(
         if KIND == 2:
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             sc += tl.sum(q, axis=1)[:, None] * z[None, :]
-    else:
-        k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP)
+    else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
+        k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         if KIND == 2:
-            k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP)
+            k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         sc = tl.dot(qd, tl.trans(k.to(DOT)))
     return sc
 
@@ -293,6 +327,7 @@ def _value_part(
     SCALE: tl.constexpr,
     CGROUP: tl.constexpr,
     E8M0: tl.constexpr,
+    GF16: tl.constexpr,
     CVT: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -325,10 +360,10 @@ def _value_part(
         if KIND == 2:
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             o += tl.sum(p * z[None, :], axis=1)[:, None]
-    else:
-        v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP)
+    else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
+        v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         if KIND == 2:
-            v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP)
+            v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         o = tl.dot(pd, v.to(DOT))
     return o
 
@@ -412,6 +447,7 @@ def paged_decode_kernel(
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
     N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
     DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
+    K_GF16: tl.constexpr, V_GF16: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -491,15 +527,15 @@ def paged_decode_kernel(
         sb = ks_ptr + blk * sks_n + pid_h * sks_h
         zb = kz_ptr + blk * skz_n + pid_h * skz_h
         s = _key_scores(q0, qd0, raw, sb, zb, offs_t, offs_pk * K_PER, sks_t, sks_c, skz_t, skz_c,
-                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if K_PER >= 2:
             s += _key_scores(q1, qd1, raw, sb, zb, offs_t, offs_pk * K_PER + 1, sks_t, sks_c, skz_t, skz_c,
-                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if K_PER >= 4:
             s += _key_scores(q2, qd2, raw, sb, zb, offs_t, offs_pk * K_PER + 2, sks_t, sks_c, skz_t, skz_c,
-                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
-                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
             offs_o = tl.arange(0, BLOCK_O)
             o_mask = offs_o < N_OUT
@@ -517,18 +553,18 @@ def paged_decode_kernel(
         zb = vz_ptr + blk * svz_n + pid_h * svz_h
         acc0 = acc0 * alpha[:, None] + _value_part(
             p, pd, raw, sb, zb, offs_t, offs_pv * V_PER, svs_t, svs_c, svz_t, svz_c,
-            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
         if V_PER >= 2:
             acc1 = acc1 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 1, svs_t, svs_c, svz_t, svz_c,
-                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
         if V_PER >= 4:
             acc2 = acc2 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 2, svs_t, svs_c, svz_t, svz_c,
-                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
             acc3 = acc3 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 3, svs_t, svs_c, svz_t, svz_c,
-                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
     # fmt: on
 
     # ---- the full-precision tail, attended last by the last split
