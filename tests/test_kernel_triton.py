@@ -290,3 +290,25 @@ def test_gpu_benchmark_smoke_mode(tmp_path):
     assert data["checks"] and all(c["ok"] for c in data["checks"]), data["checks"]
     assert data["timings"], "no timing rows"
     assert "median_ms" in res.stdout  # the table is printed last
+
+
+def test_codes_are_converted_in_the_load_layout_on_hopper():
+    """The PTX conversions keep 8-bit tiles out of the byte-wise gather into the dot operand layout.
+
+    Compiled for sm_90 (no GPU needed); the converter path is the control: it does gather bytes (``LDS.U8`` /
+    ``LDS.S8``), so a zero below is the property, not an artifact of the count.
+    """
+    script = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_sass; "
+        "print(json.dumps([gpu_sass.loop_row(f, c, __import__('torch').float16) for f, c in "
+        "[('int8', 'ptx'), ('int8', 'convert'), ('fp8-plain', 'ptx'), ('int4', 'ptx'), ('kivi2', 'ptx')]]))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(r["format"], r["codes"]): r for r in json.loads(res.stdout.strip().splitlines()[-1])}
+    assert rows[("int8", "convert")]["byte_lds"] > 0
+    for key in [("int8", "ptx"), ("fp8-plain", "ptx"), ("int4", "ptx"), ("kivi2", "ptx")]:
+        assert rows[key]["byte_lds"] == 0, rows[key]
+        assert rows[key]["local"] == 0, rows[key]
+    assert rows[("int8", "ptx")]["loop"] < rows[("int8", "convert")]["loop"]

@@ -372,6 +372,9 @@ def plan(
     if codes == "ptx" and k.INTERPRETED:
         raise ConfigError("codes='ptx' runs on an NVIDIA GPU only, not under TRITON_INTERPRET=1; use 'bits'")
     cvt = default_codes() if codes is None else CODES[codes]
+    fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
+    if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89; e5m2 runs on sm_80 too
     batch, hq, d = q.shape
     h, b = kv.kv_heads, kv.block_size
     group = hq // h
@@ -452,8 +455,11 @@ def compile_launch(launch: Launch, arch: int = 90) -> dict[str, Any]:
     """Compile ``launch`` ahead of time for an NVIDIA GPU of compute capability ``arch`` (90: H100/H200),
     specializing its arguments the way a real launch does; no GPU needed (Triton ships ``ptxas``).
 
-    Returns ``{"name", "num_warps", "shared", "registers", "local"}``: ``local`` (bytes of local memory per
-    thread) above zero means register spills. Used by the tests to prove the kernels build for Hopper.
+    Returns ``{"name", "num_warps", "shared", "registers", "local", "loop_ops"}``: ``local`` (bytes of local
+    memory per thread) above zero means register spills; ``loop_ops`` counts the SASS instructions of the
+    longest loop (the decode kernel's block loop) by opcode with modifiers (``"LDS.U8"``, ``"HMMA.16816..."``),
+    what one thread issues per block. Used by the tests to prove the kernels build for Hopper, and by
+    ``benchmarks/gpu_sass.py``.
     """
     import subprocess
     import tempfile
@@ -495,10 +501,27 @@ def compile_launch(launch: Launch, arch: int = 90) -> dict[str, Any]:
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
     for field, key in (("REG", "registers"), ("LOCAL", "local")):
         hit = [w for w in text.replace(",", " ").split() if w.startswith(field + ":")]
         usage[key] = int(hit[0].split(":")[1]) if hit else -1
+    usage["loop_ops"] = _longest_loop_ops(sass)
     return usage
+
+
+def _longest_loop_ops(sass: str) -> dict[str, int]:
+    """Opcode counts of the instructions between the target and the source of the longest backward branch."""
+    import re
+    from collections import Counter
+
+    code = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+    insts = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(code.match, sass.splitlines()) if m]
+    best = (0, 0, -1)
+    for addr, op, rest in insts:
+        target = re.search(r"\b(0x[0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > best[0]:
+            best = (addr - int(target.group(1), 16), int(target.group(1), 16), addr)
+    return dict(Counter(op for addr, op, _ in insts if best[1] <= addr <= best[2]))
 
 
 def decode_attention(
