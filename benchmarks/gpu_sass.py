@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU, never interpret
