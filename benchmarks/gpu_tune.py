@@ -46,7 +46,7 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
     base_splits = td.default_num_splits(kv)
     base = td.launch_config(args.head_dim, args.block, args.q_heads // args.kv_heads)
     want = td.decode_attention(q, kv, codes="convert").float()  # the converter: no bit tricks in the reference
-    integer = any(not s.is_passthrough and not s.dtype.is_fp8 for s in (fmt.key, fmt.value))
+    coded = any(not s.is_passthrough for s in (fmt.key, fmt.value))  # integer codes or fp8: codes matter
     rows = []
 
     def run(variants, default_first: bool) -> None:
@@ -78,7 +78,7 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
         return row
 
     # 1. how codes become numbers, at the default launch (the library's default first)
-    run([(base["num_warps"], base["num_stages"], base_splits, c) for c in (args.codes if integer else [None])], True)
+    run([(base["num_warps"], base["num_stages"], base_splits, c) for c in (args.codes if coded else [None])], True)
     timed = [r for r in rows if r.get("ok")]
     codes = min(timed, key=lambda r: r["median_ms"])["codes"] if timed else None
     # 2. warps x stages x splits with the fastest codes
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--out", default="gpu_tune.json")
     p.add_argument("--formats", nargs="+", default=["int8", "fp8", "int4", "kivi2"])
-    p.add_argument("--codes", nargs="+", default=["ptx", "bits", "convert"], help="for formats with integer codes")
+    p.add_argument("--codes", nargs="+", default=["ptx", "bits", "convert"], help="for quantized formats")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     p.add_argument("--context", default="32k")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
