@@ -164,43 +164,33 @@ def _fp8_ptx(raw):
 
 
 @triton.jit
+def _ptx_by_kind(signed: tl.constexpr, unsigned: tl.constexpr, KIND: tl.constexpr, raw):
+    """The symmetric (``KIND`` 1) or asymmetric form of one conversion."""
+    if KIND == 1:
+        c = _ptx4(signed, raw)
+    else:
+        c = _ptx4(unsigned, raw)
+    return c
+
+
+@triton.jit
 def _codes_ptx(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
     """Integer codes of part ``J`` as float16, from the bits in inline PTX (see ``_codes_asm``)."""
     if BITS == 8:
-        if KIND == 1:
-            c = _ptx4(_PTX_8S, raw)
-        else:
-            c = _ptx4(_PTX_8U, raw)
+        c = _ptx_by_kind(_PTX_8S, _PTX_8U, KIND, raw)
     elif BITS == 4:
-        if KIND == 1:
-            if J == 0:
-                c = _ptx4(_PTX_4S0, raw)
-            else:
-                c = _ptx4(_PTX_4S1, raw)
+        if J == 0:
+            c = _ptx_by_kind(_PTX_4S0, _PTX_4U0, KIND, raw)
         else:
-            if J == 0:
-                c = _ptx4(_PTX_4U0, raw)
-            else:
-                c = _ptx4(_PTX_4U1, raw)
+            c = _ptx_by_kind(_PTX_4S1, _PTX_4U1, KIND, raw)
+    elif J == 0:
+        c = _ptx_by_kind(_PTX_2S0, _PTX_2U0, KIND, raw)
+    elif J == 1:
+        c = _ptx_by_kind(_PTX_2S1, _PTX_2U1, KIND, raw)
+    elif J == 2:
+        c = _ptx_by_kind(_PTX_2S2, _PTX_2U2, KIND, raw)
     else:
-        if KIND == 1:
-            if J == 0:
-                c = _ptx4(_PTX_2S0, raw)
-            elif J == 1:
-                c = _ptx4(_PTX_2S1, raw)
-            elif J == 2:
-                c = _ptx4(_PTX_2S2, raw)
-            else:
-                c = _ptx4(_PTX_2S3, raw)
-        else:
-            if J == 0:
-                c = _ptx4(_PTX_2U0, raw)
-            elif J == 1:
-                c = _ptx4(_PTX_2U1, raw)
-            elif J == 2:
-                c = _ptx4(_PTX_2U2, raw)
-            else:
-                c = _ptx4(_PTX_2U3, raw)
+        c = _ptx_by_kind(_PTX_2S3, _PTX_2U3, KIND, raw)
     return c
 
 
