@@ -298,10 +298,14 @@ def _sink_args(kv: PagedKV) -> tuple:
 CODES = {"convert": 0, "bits": 1, "ptx": 2}
 
 
+def _ptx_ok() -> bool:
+    """Whether kernels are built for an NVIDIA GPU (inline PTX): not interpreted, not a ROCm torch."""
+    return not _kernels().INTERPRETED and torch.version.hip is None
+
+
 def default_codes() -> int:
-    """``CVT`` for a launch: PTX on a GPU (8-bit codes; packed codes use the bit arithmetic), the bit
-    arithmetic under the interpreter."""
-    return CODES["bits"] if _kernels().INTERPRETED else CODES["ptx"]
+    """``CVT`` for a launch: PTX where kernels are built for an NVIDIA GPU, else the bit arithmetic."""
+    return CODES["ptx"] if _ptx_ok() else CODES["bits"]
 
 
 def code_dot_dtype(spec: QuantSpec, dot: Any, cvt: int) -> Any:
@@ -369,8 +373,8 @@ def plan(
     dot = {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype]
     if codes is not None and codes not in CODES:
         raise ConfigError(f"codes must be one of {sorted(CODES)}, got {codes!r}")
-    if codes == "ptx" and k.INTERPRETED:
-        raise ConfigError("codes='ptx' runs on an NVIDIA GPU only, not under TRITON_INTERPRET=1; use 'bits'")
+    if codes == "ptx" and not _ptx_ok():
+        raise ConfigError("codes='ptx' runs on an NVIDIA GPU only (not interpreted, not ROCm); use 'bits'")
     cvt = default_codes() if codes is None else CODES[codes]
     fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
     if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
