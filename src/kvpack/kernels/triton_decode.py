@@ -293,8 +293,9 @@ def _sink_args(kv: PagedKV) -> tuple:
     return (k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2), kv.sink)
 
 
-# How integer codes become numbers in the kernel (``CVT``): the float converter, or float16 built from the bits
-# in Triton or in inline PTX (see ``triton_kernels._codes``). PTX runs on NVIDIA GPUs only, never interpreted.
+# How integer codes (and fp8 values) become numbers in the kernel (``CVT``): the float converter, or float16
+# built from the bits in Triton or in inline PTX (see ``triton_kernels._codes``). PTX runs on NVIDIA GPUs only,
+# never interpreted; fp8 goes through PTX only with ``"ptx"``.
 CODES = {"convert": 0, "bits": 1, "ptx": 2}
 
 
@@ -309,8 +310,9 @@ def default_codes() -> int:
 
 
 def code_dot_dtype(spec: QuantSpec, dot: Any, cvt: int) -> Any:
-    """The dtype a role's sealed tiles multiply in: float16 for integer codes built as float16 with a 16-bit
-    query (float16 holds every code exactly and has more mantissa than bfloat16), else the query's dtype."""
+    """The dtype a role's sealed tiles multiply in: float16 for integer codes built as float16 and for fp8
+    converted by PTX, with a 16-bit query (float16 holds every code and every fp8 value exactly and has more
+    mantissa than bfloat16), else the query's dtype."""
     k = _kernels()
     integer = not spec.is_passthrough and not spec.dtype.is_fp8
     as_f16 = (integer and cvt > 0) or (spec.dtype.is_fp8 and cvt == CODES["ptx"])  # fp8 -> float16 is exact too
@@ -327,9 +329,9 @@ def group_in_f16(spec: QuantSpec, dot: Any, cvt: int) -> bool:
 def launch_config(head_dim: int, block_size: int, group: int, quantized: bool = True) -> dict[str, int]:
     """``num_warps`` and ``num_stages`` for a tile of ``block_size x head_dim``.
 
-    Quantized tiles: 4 warps and 3 stages, the fastest or within 1% of it on an H200 for int8, fp8, int4 and
-    kivi2 at batch 16 and 64, 32k (benchmarks/gpu_tune.py; 8 warps were 1.2-1.4x slower). Full-precision
-    tiles keep 8 warps for big tiles (not re-tuned).
+    Quantized tiles: 4 warps and 3 stages, within 3% of the fastest variant on an H200 for int8, fp8, int4 and
+    kivi2 at batch 16 and 64, 32k (benchmarks/gpu_tune.py; 8 warps took a median 1.22x as long as 4).
+    Full-precision tiles keep 8 warps for big tiles (not re-tuned).
     """
     if quantized and group <= 16:
         return {"num_warps": 4, "num_stages": 3}
@@ -378,7 +380,7 @@ def plan(
     cvt = default_codes() if codes is None else CODES[codes]
     fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
     if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
-        cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89; e5m2 runs on sm_80 too
+        cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89: Triton's conversion instead
     batch, hq, d = q.shape
     h, b = kv.kv_heads, kv.block_size
     group = hq // h
@@ -550,7 +552,8 @@ def decode_attention(
         out: optional ``[batch, Hq, D]`` buffer in ``q.dtype``.
         num_splits: splits of each sequence's blocks (default :func:`default_num_splits`).
         num_warps, num_stages: launch options (default :func:`launch_config`).
-        codes: how integer codes become numbers, one of :data:`CODES` (default :func:`default_codes`).
+        codes: how integer codes and fp8 values become float16, one of :data:`CODES` (default
+            :func:`default_codes`; ``"convert"`` is the plain converter, useful as a reference).
 
     Returns:
         ``[batch, Hq, D]`` in ``q.dtype``. A sequence with nothing to attend gets zeros.

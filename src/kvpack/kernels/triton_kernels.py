@@ -49,11 +49,11 @@ def _decode_scale(stored, E8M0: tl.constexpr):
 def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CVT: tl.constexpr):
     """Part ``J`` of a loaded payload tile: integer codes (signed when symmetric) or values.
 
-    ``CVT`` picks how integer codes become numbers (float payloads always convert): 0 float32 through the
-    converter (``I2F``, a quarter-rate instruction on NVIDIA GPUs), 1 float16 built from the bits in Triton,
-    2 float16 built from the bits in inline PTX for 8-bit codes (GPUs only; packed codes as 1: on an H200 the
-    PTX for packed fields was 1.5-1.8x slower than 1, see docs/performance.md). Codes are small integers,
-    exact in float16.
+    ``CVT`` picks how codes become numbers: 0 float32 through the converter (``I2F``, a quarter-rate
+    instruction on NVIDIA GPUs; fp8 through Triton's conversion), 1 float16 built from the bits in Triton
+    (fp8 as 0), 2 inline PTX for integer codes and fp8 (NVIDIA GPUs only), converting in the load's register
+    layout (see ``_ptx4``). Integer codes are small integers and fp8 values are float16 values: float16 holds
+    both exactly.
     """
     if (KIND == 1 or KIND == 2) and CVT == 2:
         c = _codes_ptx(raw, J, KIND, BITS)
@@ -157,9 +157,9 @@ def _fp8_ptx(raw):
     """fp8 payload -> float16 (exact: e4m3 and e5m2 values are all float16 values), four bytes per asm, in the
     load's register layout (see ``_ptx4``)."""
     if raw.dtype.is_fp8e5():
-        c = tl.inline_asm_elementwise(_PTX_E5M2, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+        c = _ptx4(_PTX_E5M2, raw)
     else:
-        c = tl.inline_asm_elementwise(_PTX_E4M3, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
+        c = _ptx4(_PTX_E4M3, raw)
     return c
 
 
