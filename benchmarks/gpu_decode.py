@@ -377,7 +377,7 @@ def sweep(args, device, timer, copy_gbps, deadline) -> tuple[list[dict], list[di
                 seq_len = ctx - 1  # a partly filled tail, as in a real decode step
                 kv = build_cache(fmt, batch, seq_len, h, d, device, sink=sink)
                 out = torch.empty_like(q)
-                opts = launch_options(args.tuned.get(fmt_name), kv)
+                opts = launch_options(args.launch.get(fmt_name), kv)
                 if fmt.key.rotate:  # the fp8 preset stores keys rotated: the dispatcher rotates the query first
                     rot = key_rotation(d, device)
                     t = timer(
@@ -460,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new measurements after this")
     p.add_argument("--tuned", help="a gpu_tune.py JSON: time each format it chose with its launch options")
     args = p.parse_args(argv)
-    args.tuned_path = args.tuned
     t0 = time.monotonic()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -491,12 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     # A failed check does not stop the sweep (device time is scarce): its format's rows are flagged and the
     # run exits 1.
     args.failed = sorted({c["check"].split()[1] for c in bad if c["check"].startswith("decode ")})
+    args.launch = {}  # format -> gpu_tune.py's choice
     if args.tuned and not Path(args.tuned).is_file():
         print(f"no {args.tuned}: default launch options", flush=True)
-    tuned = Path(args.tuned) if args.tuned else None
-    args.tuned = json.loads(tuned.read_text()).get("chosen", {}) if tuned and tuned.is_file() else {}
-    if args.tuned:
-        print(f"launch options from {args.tuned_path}: {args.tuned}", flush=True)
+    elif args.tuned:
+        args.launch = json.loads(Path(args.tuned).read_text()).get("chosen", {})
+        print(f"launch options from {args.tuned}: {args.launch}", flush=True)
     rows, skipped = sweep(args, device, timer, copy["gbps"], t0 + args.budget_s)
     result = {**info, "checks": checks, "copy": copy, "timings": rows, "skipped": skipped,
               "targets": target_report(rows), "elapsed_s": time.monotonic() - t0}  # fmt: skip
