@@ -312,3 +312,30 @@ def test_codes_are_converted_in_the_load_layout_on_hopper():
         assert rows[key]["byte_lds"] == 0, rows[key]
         assert rows[key]["local"] == 0, rows[key]
     assert rows[("int8", "ptx")]["loop"] < rows[("int8", "convert")]["loop"]
+
+
+def test_gpu_tuner_smoke_mode(tmp_path):
+    """gpu_tune.py end to end under the interpreter: every variant checked against the converter path, a
+    launch chosen per format, and gpu_decode.py --tuned times with it."""
+    tune, out = tmp_path / "tune.json", tmp_path / "decode.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_tune.py"), "--smoke", "--out", str(tune)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    data = json.loads(tune.read_text())
+    timed = [r for r in data["rows"] if "median_ms" in r]
+    assert timed and all(r["ok"] for r in timed), data["rows"]
+    assert {r["codes"] for r in timed} == {"bits", "convert"}  # no PTX under the interpreter
+    assert set(data["chosen"]) == {"int8", "int4"}
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_decode.py"), "--smoke", "--out", str(out), "--tuned", str(tune)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    launches = {
+        r["format"]: r["launch"] for r in json.loads(out.read_text())["timings"] if r["provider"].startswith("triton:")
+    }
+    assert launches["int8"] != "default" and launches["fp16"] == "default"
+    assert launches["int8"]["codes"] == data["chosen"]["int8"]["codes"]
