@@ -281,7 +281,7 @@ def _key_scores(
     elif SCALE == 2:
         s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
         sc = tl.dot((q * s[None, :]).to(DOT), tl.trans(c.to(DOT)))
-        if KIND == 2:
+        if KIND == 2 and not GF16:  # with GF16 the caller adds the zero-points of all parts (_key_zeros)
             z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
             sc += tl.sum(q * z[None, :], axis=1)[:, None]
     elif SCALE == 3:
@@ -296,6 +296,24 @@ def _key_scores(
             k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         sc = tl.dot(qd, tl.trans(k.to(DOT)))
     return sc
+
+
+@triton.jit
+def _key_zeros(s, q0, q1, q2, q3, z_base, offs_p, z_sc, CGROUP: tl.constexpr, PER: tl.constexpr,
+               CD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr):  # fmt: skip
+    """``s + sum_c q[:, c] * z[c]`` on every token of the block: per-channel zero-points of asymmetric keys.
+
+    The parts' products are summed in float32 and multiplied by a ones tile on the tensor cores, which
+    broadcasts the row sums over the tokens: no cross-thread reduction (on sm_90 the shuffle reductions of
+    the per-part ``tl.sum`` cost int4 74 instructions of 773 per block, kivi2 44 of 794).
+    """
+    qz = q0 * tl.load(z_base + ((offs_p * PER) // CGROUP) * z_sc).to(tl.float32)[None, :]
+    if PER >= 2:
+        qz += q1 * tl.load(z_base + ((offs_p * PER + 1) // CGROUP) * z_sc).to(tl.float32)[None, :]
+    if PER >= 4:
+        qz += q2 * tl.load(z_base + ((offs_p * PER + 2) // CGROUP) * z_sc).to(tl.float32)[None, :]
+        qz += q3 * tl.load(z_base + ((offs_p * PER + 3) // CGROUP) * z_sc).to(tl.float32)[None, :]
+    return tl.dot(qz.to(CD), tl.full([DP, BLOCK_SIZE], 1.0, CD), s)
 
 
 @triton.jit
@@ -526,6 +544,8 @@ def paged_decode_kernel(
                              2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
                              3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+        if K_SCALE == 2 and K_KIND == 2 and K_GF16:
+            s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, DK)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
             offs_o = tl.arange(0, BLOCK_O)
             o_mask = offs_o < N_OUT
