@@ -442,6 +442,24 @@ def target_report(rows: list[dict]) -> list[str]:
     return lines
 
 
+def add_layer_args(p: argparse.ArgumentParser, budget_s: float) -> None:
+    """The layer shape, repetitions and time budget options shared with ``gpu_tune.py``."""
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new measurements after this")
+
+
+def smoke_possible() -> bool:
+    """``--smoke`` runs on a GPU or under the interpreter; says so on stderr otherwise."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        print("--smoke on a CPU needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, no CUDA events (TRITON_INTERPRET=1 on a CPU)")
@@ -452,18 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         "--formats", nargs="+", default=["fp16", "int8", "fp8", "fp8-plain", "int4", "int4,sink=1", "k8v4", "kivi2"]
     )
     p.add_argument("--dequant-formats", nargs="+", default=["int8", "int4"])
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new measurements after this")
+    add_layer_args(p, budget_s=200.0)
     p.add_argument("--tuned", help="a gpu_tune.py JSON: time each format it chose with its launch options")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-            print("--smoke on a CPU needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        if not smoke_possible():
             return 2
         args.batches, args.contexts, args.formats = [2], ["40", "72"], ["fp16", "int8", "int4", "int4,sink=1"]
         args.dequant_formats, args.kv_heads, args.q_heads, args.head_dim, args.block = ["int8"], 2, 4, 32, 16

@@ -17,7 +17,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -146,17 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--split-factors", type=float, nargs="+", default=[0.5, 1, 2, 4])
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--budget-s", type=float, default=100.0, help="stop starting new measurements after this")
+    gd.add_layer_args(p, budget_s=100.0)
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-            print("--smoke on a CPU needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        if not gd.smoke_possible():
             return 2
         args.formats, args.batches, args.context, args.warps, args.stages = ["int8", "int4"], [2], "72", [4], [1]
         args.split_factors, args.kv_heads, args.q_heads, args.head_dim, args.block = [1, 2], 2, 4, 32, 16
