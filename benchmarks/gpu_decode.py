@@ -222,12 +222,14 @@ def build_cache(
 
 def launch_options(tuned: dict | None, kv: PagedKV) -> dict[str, int]:
     """``decode_attention`` launch options from a ``gpu_tune.py`` choice (``num_warps``, ``num_stages``,
-    ``split_factor`` times the default split count, ``codes``); ``{}`` (the defaults) without one."""
+    ``split_factor`` times the default split count, ``codes``, ``max_registers``); ``{}`` (the defaults)
+    without one."""
     if not tuned:
         return {}
     splits = max(1, round(td.default_num_splits(kv) * tuned["split_factor"]))
     opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"], "num_splits": splits}
-    return {**opts, "codes": tuned["codes"]} if tuned.get("codes") else opts
+    opts.update({k: tuned[k] for k in ("codes", "max_registers") if tuned.get(k)})
+    return opts
 
 
 def cache_read_bytes(kv: PagedKV, seq_len: int) -> int:

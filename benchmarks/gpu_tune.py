@@ -1,14 +1,20 @@
-"""Launch options of the Triton decode kernel on a GPU: warps x pipeline stages x split count, per format.
+"""Launch options of the Triton decode kernel on a GPU, per format: codes, warps, stages, splits, registers.
 
     python benchmarks/gpu_tune.py --out gpu_tune.json            # an NVIDIA GPU (about 2 minutes on an H200)
     TRITON_INTERPRET=1 python benchmarks/gpu_tune.py --smoke      # CPU: tiny shapes, every code path once
 
 For each format and batch at one context (default 32k, the targets' context) the cache is built once on the
-device; the default launch (:func:`kvpack.kernels.triton_decode.launch_config`, ``default_num_splits``) and
-every variant are timed the way ``gpu_decode.py`` times (CUDA graph replay, median). Each variant's output is
-compared with the default launch's output, and its registers and spills are recorded. Per format, the variant
-with the lowest geometric mean of (time / default time) over the batches is chosen; the JSON's ``chosen``
-feeds ``gpu_decode.py --tuned``. A short table is printed last.
+device, then timed the way ``gpu_decode.py`` times (CUDA graph replay, median):
+
+1. at the default launch (:func:`kvpack.kernels.triton_decode.launch_config`, ``default_num_splits``), each
+   way codes become numbers (``--codes``; the library's default first);
+2. with the fastest of those, warps x stages x split count (``--warps``, ``--stages``, ``--split-factors``
+   times the default);
+3. the fastest so far again with ``--max-registers`` (default 128), where it used more registers.
+
+Every variant's output (NaN-poisoned buffer) is compared with the converter path's output, and its registers
+and spills are recorded. Per format, the variant with the lowest geometric mean of (time / default time) over
+the batches is chosen; the JSON's ``chosen`` feeds ``gpu_decode.py --tuned``. A short table is printed last.
 """
 
 from __future__ import annotations
@@ -49,17 +55,19 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
     rows = []
 
     def run(variants, default_first: bool) -> None:
-        for warps, stages, splits, codes in variants:
-            rows.append(time_variant(warps, stages, splits, codes, default=default_first and not rows))
+        for warps, stages, splits, codes, cap in variants:
+            rows.append(time_variant(warps, stages, splits, codes, cap, default=default_first and not rows))
 
-    def time_variant(warps, stages, splits, codes, default):
+    def time_variant(warps, stages, splits, codes, cap, default):
         row = {"format": fmt_name, "batch": batch, "context": args.context, "num_warps": warps,
                "num_stages": stages, "num_splits": splits, "split_factor": splits / base_splits,
-               "codes": codes, "default": default}  # fmt: skip
+               "codes": codes, "max_registers": cap, "default": default}  # fmt: skip
         if time.monotonic() > deadline:
             return {**row, "error": "time budget"}
         try:
-            launches, out = td.plan(q, kv, num_splits=splits, num_warps=warps, num_stages=stages, codes=codes)
+            launches, out = td.plan(
+                q, kv, num_splits=splits, num_warps=warps, num_stages=stages, codes=codes, max_registers=cap
+            )
             out.fill_(float("nan"))  # poisoned: every element must be written
             compiled = launches[0].run()
             for launch in launches[1:]:
@@ -72,21 +80,27 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
             return {**row, "error": f"{type(e).__name__}: {e}"[:300]}
         row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9
         row["pct_copy"] = 100 * row["gbps"] / copy_gbps
-        print(f"  {fmt_name} b{batch} w{warps} s{stages} splits {splits} {codes}: {row['median_ms']:.3f} ms "
+        print(f"  {fmt_name} b{batch} w{warps} s{stages} splits {splits} {codes} cap {cap}: {row['median_ms']:.3f} ms "
               f"{row['pct_copy']:.0f}% copy, err {err:.1e}, regs {row['n_regs']}", flush=True)  # fmt: skip
         return row
 
     # 1. how codes become numbers, at the default launch (the library's default first)
-    run([(base["num_warps"], base["num_stages"], base_splits, c) for c in (args.codes if coded else [None])], True)
+    first = base["num_warps"], base["num_stages"], base_splits
+    run([(*first, c, None) for c in (args.codes if coded else [None])], True)
     timed = [r for r in rows if r.get("ok")]
     codes = min(timed, key=lambda r: r["median_ms"])["codes"] if timed else None
     # 2. warps x stages x splits with the fastest codes
     grid = []
     for warps, stages, factor in itertools.product(args.warps, args.stages, args.split_factors):
-        v = (warps, stages, max(1, round(base_splits * factor)), codes)
-        if v not in grid and v != (base["num_warps"], base["num_stages"], base_splits, codes):
+        v = (warps, stages, max(1, round(base_splits * factor)), codes, None)
+        if v not in grid and v != (*first, codes, None):
             grid.append(v)
     run(grid, False)
+    # 3. the fastest so far with a register cap, where it used more (more programs per SM)
+    timed = [r for r in rows if r.get("ok")]
+    best = min(timed, key=lambda r: r["median_ms"]) if timed else None
+    if best and args.max_registers and (best.get("n_regs") or 0) > args.max_registers:
+        run([(best["num_warps"], best["num_stages"], best["num_splits"], best["codes"], args.max_registers)], False)
     return rows
 
 
@@ -101,7 +115,7 @@ def choose(rows: list[dict], batches: list[int]) -> dict[str, dict]:
         scores: dict[tuple, list[float]] = {}
         for r in rows:
             if r["format"] == fmt_name and r.get("ok") and r["batch"] in base:
-                key = (r["num_warps"], r["num_stages"], round(r["split_factor"], 3), r["codes"])
+                key = (r["num_warps"], r["num_stages"], round(r["split_factor"], 3), r["codes"], r["max_registers"])
                 scores.setdefault(key, []).append(r["median_ms"] / base[r["batch"]])
         full = {k: v for k, v in scores.items() if len(v) == len(base) == len(batches)}
         if not full:
@@ -109,6 +123,7 @@ def choose(rows: list[dict], batches: list[int]) -> dict[str, dict]:
         key, ratios = min(full.items(), key=lambda kv: math.fsum(math.log(x) for x in kv[1]))
         gain = math.exp(math.fsum(math.log(x) for x in ratios) / len(ratios))
         chosen[fmt_name] = {"num_warps": key[0], "num_stages": key[1], "split_factor": key[2], "codes": key[3],
+                            "max_registers": key[4],
                             "time_vs_default": gain}  # fmt: skip
     return chosen
 
@@ -145,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--split-factors", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    p.add_argument("--max-registers", type=int, default=128, help="cap tried on the fastest variant (0: none)")
     gd.add_layer_args(p, budget_s=100.0)
     args = p.parse_args(argv)
     t0 = time.monotonic()

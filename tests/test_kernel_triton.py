@@ -293,19 +293,28 @@ def test_gpu_benchmark_smoke_mode(tmp_path):
 
 
 def test_codes_are_converted_in_the_load_layout_on_hopper():
-    """The PTX conversions keep 8-bit tiles out of the byte-wise gather into the dot operand layout.
+    """The PTX conversions keep 8-bit tiles out of the byte-wise gather into the dot operand layout, and a
+    register cap (``max_registers``) reaches the compiler without spills.
 
     Compiled for sm_90 (no GPU needed); the converter path is the control: it does gather bytes (``LDS.U8`` /
     ``LDS.S8``), so a zero below is the property, not an artifact of the count.
     """
     script = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_sass; "
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_sass; import torch; "
+        "from kvpack.kernels import triton_decode as td; from kvpack.formats import parse_format; "
+        "from kvpack.testing import random_paged_kv; "
+        "kv = random_paged_kv(parse_format('fp8-o4'), [300, 70], kv_heads=8, head_dim=128, "
+        "tail_dtype=torch.float16)[0]; "
+        "capped = td.compile_launch(td.plan(torch.randn(2, 32, 128, dtype=torch.float16), kv, num_splits=2, "
+        "max_registers=128)[0][0]); capped.pop('loop_ops'); print(json.dumps(capped)); "
         "print(json.dumps([gpu_sass.loop_row(f, c, __import__('torch').float16) for f, c in "
         "[('int8', 'ptx'), ('int8', 'convert'), ('fp8-plain', 'ptx'), ('int4', 'ptx'), ('kivi2', 'ptx')]]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    capped = json.loads(res.stdout.strip().splitlines()[-2])  # fp8-o4 takes 175 registers uncapped
+    assert 0 < capped["registers"] <= 128 and capped["local"] == 0, capped
     rows = {(r["format"], r["codes"]): r for r in json.loads(res.stdout.strip().splitlines()[-1])}
     assert rows[("int8", "convert")]["byte_lds"] > 0
     for key in [("int8", "ptx"), ("fp8-plain", "ptx"), ("int4", "ptx"), ("kivi2", "ptx")]:

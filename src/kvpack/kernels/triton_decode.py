@@ -365,6 +365,7 @@ def plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     codes: str | None = None,
+    max_registers: int | None = None,
 ) -> tuple[list[Launch], torch.Tensor]:
     """Check the case and build the launches (decode, then the merge when split) and the output tensor.
 
@@ -443,7 +444,8 @@ def plan(
         "V_GF16": group_in_f16(kv.format.value, dot, cvt),
     }
     cfg = launch_config(d, b, group, not (kv.format.key.is_passthrough and kv.format.value.is_passthrough))
-    cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
+    opts = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", max_registers))
+    cfg.update({n: v for n, v in opts if v is not None})
     launches = [Launch(k.paged_decode_kernel, (batch, h, splits), args, constexprs, cfg)]
     if splits > 1:
         margs = [
@@ -541,6 +543,7 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     codes: str | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query per sequence, over its paged history (see ``kvpack.kernels``).
 
@@ -552,6 +555,9 @@ def decode_attention(
         out: optional ``[batch, Hq, D]`` buffer in ``q.dtype``.
         num_splits: splits of each sequence's blocks (default :func:`default_num_splits`).
         num_warps, num_stages: launch options (default :func:`launch_config`).
+        max_registers: a cap on registers per thread (Triton's ``maxnreg``; default: the compiler's choice).
+            fp8 takes 161-175 registers with 4 warps, three programs per SM; 128 allows four, without spills
+            on sm_90 (``benchmarks/gpu_tune.py`` measures whether that is faster).
         codes: how integer codes and fp8 values become float16, one of :data:`CODES` (default
             :func:`default_codes`; ``"convert"`` is the plain converter, useful as a reference).
 
@@ -566,7 +572,16 @@ def decode_attention(
     if reasons:
         raise UnsupportedError("the triton backend cannot run this case: " + "; ".join(reasons), reasons)
     launches, result = plan(
-        q, kv, sm_scale, window, out, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, codes=codes
+        q,
+        kv,
+        sm_scale,
+        window,
+        out,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        codes=codes,
+        max_registers=max_registers,
     )
     for launch in launches:
         launch.run()
