@@ -44,6 +44,8 @@ from kvpack.quant import QuantizedTensor, dequantize, payload_torch_dtype, quant
 from kvpack.rotation import key_rotation, rotate
 from kvpack.testing import random_paged_kv
 
+# formats also checked with bf16 queries on a GPU (their sealed tiles multiply in float16 either way)
+BF16_CHECKED = ("int8", "int4", "fp8-plain", "kivi2", "k8v4")
 TARGETS = {"int8": 1.8, "fp8": 1.8, "int4": 3.0}  # speed-up over fp16 SDPA at 32k (issue 5)
 TARGET_PCT_COPY = {"int8": 75.0, "fp8": 75.0}
 
@@ -288,7 +290,7 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     for i, name in enumerate(formats):
         fmt, sink = bench_format(name, block)
         # bf16 queries on a GPU only: the interpreter's bf16 dot is wrong (the tests patch it, see there)
-        q_dtypes = [torch.float16] if interpreted or name not in ("int8", "int4") else [torch.float16, torch.bfloat16]
+        q_dtypes = [torch.float16] if interpreted or name not in BF16_CHECKED else [torch.float16, torch.bfloat16]
         for q_dtype in q_dtypes:
             kv, _, _ = random_paged_kv(fmt, lengths, kv_heads=2, head_dim=d, tail_dtype=q_dtype, seed=100 + i)
             kv = _to(with_sink_rows(kv, sink, seed=200 + i), device)
