@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,8 +120,8 @@ def choose(rows: list[dict], batches: list[int]) -> dict[str, dict]:
         full = {k: v for k, v in scores.items() if len(v) == len(base) == len(batches)}
         if not full:
             continue
-        key, ratios = min(full.items(), key=lambda kv: math.fsum(math.log(x) for x in kv[1]))
-        gain = math.exp(math.fsum(math.log(x) for x in ratios) / len(ratios))
+        key, ratios = min(full.items(), key=lambda kv: statistics.geometric_mean(kv[1]))
+        gain = statistics.geometric_mean(ratios)
         chosen[fmt_name] = {"num_warps": key[0], "num_stages": key[1], "split_factor": key[2], "codes": key[3],
                             "max_registers": key[4],
                             "time_vs_default": gain}  # fmt: skip

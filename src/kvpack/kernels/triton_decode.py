@@ -319,11 +319,10 @@ def code_dot_dtype(spec: QuantSpec, dot: Any, cvt: int) -> Any:
     return k.tl.float16 if as_f16 and dot != k.tl.float32 else dot
 
 
-def group_in_f16(spec: QuantSpec, dot: Any, cvt: int) -> bool:
-    """Whether a role's per-group dequantization runs in float16: its codes arrive as float16 (see
-    :func:`code_dot_dtype`) and its scales (and zeros) are stored as float16."""
-    f16 = code_dot_dtype(spec, dot, cvt) == _kernels().tl.float16
-    return cvt > 0 and f16 and spec.scale_dtype is ScaleDType.FP16
+def group_in_f16(spec: QuantSpec, code_dot: Any, cvt: int) -> bool:
+    """Whether a role's per-group dequantization runs in float16: its codes arrive as float16 (``code_dot``,
+    from :func:`code_dot_dtype`, is float16) and its scales (and zeros) are stored as float16."""
+    return cvt > 0 and code_dot == _kernels().tl.float16 and spec.scale_dtype is ScaleDType.FP16
 
 
 def launch_config(head_dim: int, block_size: int, group: int, quantized: bool = True) -> dict[str, int]:
@@ -382,6 +381,7 @@ def plan(
     fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
     if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
         cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89: Triton's conversion instead
+    k_cd, v_cd = code_dot_dtype(kv.format.key, dot, cvt), code_dot_dtype(kv.format.value, dot, cvt)
     batch, hq, d = q.shape
     h, b = kv.kv_heads, kv.block_size
     group = hq // h
@@ -437,11 +437,11 @@ def plan(
         # (exact) multiply in float16 for 16-bit queries (code_dot_dtype).
         "DOT": dot,
         "CVT": cvt,
-        "K_CD": code_dot_dtype(kv.format.key, dot, cvt),
-        "V_CD": code_dot_dtype(kv.format.value, dot, cvt),
+        "K_CD": k_cd,
+        "V_CD": v_cd,
         # per-group scales dequantize float16 codes in float16 when they are stored as float16
-        "K_GF16": group_in_f16(kv.format.key, dot, cvt),
-        "V_GF16": group_in_f16(kv.format.value, dot, cvt),
+        "K_GF16": group_in_f16(kv.format.key, k_cd, cvt),
+        "V_GF16": group_in_f16(kv.format.value, v_cd, cvt),
     }
     cfg = launch_config(d, b, group, not (kv.format.key.is_passthrough and kv.format.value.is_passthrough))
     opts = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", max_registers))
