@@ -271,6 +271,45 @@ def test_prefetch_distance_changes_nothing_but_timing(name: str) -> None:
     assert_close(outs[0], ref.decode_attention(q, kv, None, None, None), *_tol(kv), name)
 
 
+@pytest.mark.parametrize(
+    ("name", "block", "group", "head_dim"),
+    [("int8", 16, 4, 128), ("fp8-plain", 16, 8, 64), ("int4", 32, 3, 64), ("k8v4", 16, 1, 256), ("kivi2", 32, 4, 128)],
+)
+def test_runs_of_blocks_match_one_block_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, name: str, block: int, group: int, head_dim: int
+) -> None:
+    """Runs of blocks attended with one softmax step (``cpu_numba._attend_multi``) give the one-block path's
+    results up to float rounding, since each block keeps its own int16 weight bound. The lengths leave full
+    runs, short last runs and single blocks; a window that starts inside a block and left padding send blocks
+    through the one-block path in the middle of a history; small work items on two threads cut runs at item
+    boundaries; padded heads (group 3, 1) and head_dim 64-256 change the scratch shapes."""
+    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 4 * block)
+    monkeypatch.setattr(cpu, "_SERIAL_BLOCKS", 1)
+    nbm = cpu._nb()
+    lens = [block * 21 + 5, 3 * block, block + 1, 1]
+    kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(block), lens, kv_heads=2, head_dim=head_dim, seed=11)
+    q = torch.randn(len(lens), 2 * group, head_dim)
+    state = cpu._prepare(kv)
+    runs = int(state.kp[nbm.P_MULTI])
+    assert runs == cpu.MULTI_TOKENS // block and nbm._multi_eligible(state.kp, state.vp)  # the case takes runs
+    padded = PagedKV(**{**kv.__dict__, "start_pos": torch.tensor([block + 3, 0, 2, 0], dtype=torch.int32)})
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for view, window in ((kv, None), (kv, 5 * block + 3), (padded, None)):
+            pstate = cpu._prepare(view)
+            outs = []
+            for m in (runs, 3, 1):
+                pstate.kp[nbm.P_MULTI] = m
+                outs.append(decode_attention(q, view, window=window, backend="cpu", out=torch.full_like(q, float("nan"))))
+            pstate.kp[nbm.P_MULTI] = runs
+            for o in outs[:2]:
+                assert_close(o, outs[2], 2e-5, 1e-4, f"{name} window {window}: runs against one block at a time")
+            assert_close(outs[0], ref.decode_attention(q, view, None, window, None), *_tol(kv), f"{name} window {window}")
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 16)
     nb = cpu._nb()

@@ -75,8 +75,9 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 # scale / zero-point kinds
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
-P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR = range(14)
-N_PARAMS = 14
+(P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR,
+ P_MULTI) = range(15)  # fmt: skip
+N_PARAMS = 15
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -1279,6 +1280,214 @@ def _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, rs, t):
     return U64(nxt * kv_heads + h) * U64(bs) * rs + U64(t) * rs if nxt else U64(0)
 
 
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv):
+    """Fold block ``idx``'s key scales (constant over its tokens) into the query: ``qf[g, c] = qp[g, c] * s[c]``
+    in the keys' plane order, and the block's constant ``kc[g] = sum_c qp[g, c] * (z[c] - kfoff * s[c])``
+    (zero-points, offsets); on the integer path (``kint``) also ``q16`` / ``qinv`` (:func:`_q16_keys`), with
+    ``qinv`` in value units (``kunit``: fp8 table words). The arrays are :func:`_attend`'s scratch of those names."""
+    d = qp.shape[1]
+    kper, kskind, kcs = kp[P_PER], kp[P_SKIND], kp[P_CS]
+    kdp = d // kper
+    so = U64((idx * kp[P_HS] + khs) * kcs)
+    kzt = kp[P_ZKIND] != SC_NONE or kfoff != 0  # a per-block constant kc to compute
+    _scales(kscl, kskind, so, kcs, sk)
+    if kzt:
+        _scales(kzero, kp[P_ZKIND], so, kcs, zk)
+    pks = sk if (kcs > 1 and kper == 1) else pk  # the scales in the keys' plane order
+    if kcs == 1:
+        for i in range(d):
+            pk[i] = sk[0]
+            zp[i] = zk[0] - kfoff * sk[0] if kzt else _ZERO
+    elif kper == 1:
+        if kzt:
+            for i in range(U64(d)):
+                zp[i] = zk[i] - kfoff * sk[i]
+    else:
+        for k in range(kper):  # natural channel kper * j + k -> plane index k * kdp + j
+            kb = U64(k * kdp)
+            for jj in range(U64(kdp)):
+                c = U64(kper) * jj + U64(k)
+                pk[kb + jj] = sk[c]
+                zp[kb + jj] = zk[c] - kfoff * sk[c] if kzt else _ZERO
+    for g in range(g_n):
+        for i in range(U64(d)):
+            qf[g, i] = qp[g, i] * pks[i]
+        c0 = _ZERO
+        if kzt:
+            for i in range(U64(d)):
+                c0 += qp[g, i] * zp[i]
+        kc[g] = c0
+    if kint:
+        _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
+        if kunit != 1.0:
+            for g in range(qinv.shape[0]):
+                qinv[g] *= kunit
+
+
+@njit(inline="always", **_NOREF)
+def _prefetch_block_scales(scl, zero, p, blk, hs):
+    """Prefetch the scales and zero-points of block ``blk`` (0: none), head slot ``hs``: a few scattered lines."""
+    if blk:
+        n = p[P_TS] * p[P_CS]
+        o = U64((blk * p[P_HS] + hs) * n)
+        _prefetch_scales(scl, p[P_SKIND], o, n)
+        _prefetch_scales(zero, p[P_ZKIND], o, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt):
+    """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window) with one softmax step, on the
+    integer path with key scales constant over a block's tokens (see :func:`_multi_eligible`).
+
+    Per block, as in :func:`_attend`: the key scales folded into the int16 query, the key loop (scores into
+    ``msc[:, i * B:]``, the block's constant ``kc`` added), the value scales, zero-point sums and int16 weights,
+    the value loop; each block keeps its own weight bound (its largest ``p`` times its largest scale), so the
+    results equal the one-block path's up to float rounding. Once per run: the max, the exponentials and
+    their sum, the rescale of the accumulator (fixed costs that made up ~10% of an int8 block's time).
+    ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
+    ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points
+    per block; mpk ``[M, G4]`` each block's largest p; mwinv ``[M, G4]`` each block's weight unit), with
+    ``M = kp[P_MULTI] >= nb``."""
+    qp, m, lsum, acc, zacc, w, qf, kc, sk, zk, pk, zp, q16, qinv = (st[0], st[2], st[3], st[4], st[5], st[7], st[9],
+        st[10], st[11], st[12], st[15], st[16], st[19], st[21])  # fmt: skip
+    msc, mw, msv, mzv, mpk, mwinv = mt
+    g_n, d = w.shape[0], qp.shape[1]
+    lw = msc.shape[1]  # row stride of the scores and of the int16 weights
+    kdp = d // kp[P_PER]
+    vdp = d // vp[P_PER]
+    khs = h // (kv_heads // kp[P_HS])
+    vhs = h // (kv_heads // vp[P_HS])
+    krs = U64(kp[P_ROW])
+    vrs = U64(vp[P_ROW])
+    vts, vcs = vp[P_TS], vp[P_CS]
+    ngv = vcs if vcs > 1 else 1
+    kcbar = (
+        _ZERO
+        if (kp[P_KIND] == S8 or kp[P_KIND] == E4M3 or kp[P_KIND] == E5M2 or kp[P_OFF] != 0)
+        else np.float32(((1 << (8 // kp[P_PER])) - 1) / 2)
+    )
+    kunit = _code_unit(kp[P_KIND])
+    vunit = _code_unit(vp[P_KIND])
+    vspan = vdp // vcs if vcs > 1 else vdp
+    kfar, vfar = kp[P_FAR], vp[P_FAR]
+    ubs = U64(bs)
+    # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included
+    for i in range(nb):
+        jj = j + i
+        idx = np.int64(tables[b, jj])
+        nxt = np.int64(tables[b, jj + kfar]) if (kfar and jj + kfar < jp) else np.int64(0)
+        _prefetch_block_scales(kscl, kzero, kp, nxt, khs)
+        vnx = np.int64(tables[b, jj + vfar]) if (vfar and jj + vfar < jp) else np.int64(0)
+        _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
+        _fold_keys(kscl, kzero, kp, idx, khs, _ZERO, kcbar, kunit, True, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
+        kbase = U64(idx * kv_heads + h) * ubs * krs
+        knext = U64(nxt * kv_heads + h) * ubs * krs if nxt else U64(0)
+        for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
+            kpf = knext if g0 == 0 else U64(0)
+            kpf1 = _near_rows(tables, b, jj, jp, False, kv_heads, h, bs, krs, 0) if g0 == 0 else U64(0)
+            _kdot_int(kp[P_KIND], kpay[0], kbase, krs, bs // 4, q16, g0 * d, kdp // 32, qinv, g0, msc,
+                      g0 * lw + i * bs, lw, kp[P_OFF], kpf, kpf1)  # fmt: skip
+        col = U64(i * bs)
+        for g in range(g_n):
+            c = kc[g]
+            if c != 0:
+                row = msc[g]
+                for t in range(ubs):
+                    row[col + t] += c
+    # ---- online softmax (base 2), once for the nb blocks; mpk[i, g]: block i's largest weight p, which with its
+    # largest scale bounds its int16 weights (per block, as on the one-block path: a bound shared by the run
+    # costs the blocks far from the attention's peak their precision)
+    n = U64(nb * bs)
+    for g in range(g_n):
+        row = msc[g]
+        ib = _order_key(row[0])
+        for t in range(n):
+            x = _order_key(row[t])
+            ib = x if x > ib else ib
+        mb = _from_order_key(ib)
+        mnew = mb if mb > m[g] else m[g]
+        alpha = _exp2(m[g] - mnew)
+        ls = _ZERO
+        for i in range(nb):
+            col = U64(i * bs)
+            pb = np.int32(0)
+            for t in range(ubs):
+                p = _exp2(row[col + t] - mnew)
+                row[col + t] = p
+                ls += p
+                x = _f32_bits(p)  # p >= 0: its bits are ordered as its values
+                pb = x if x > pb else pb
+            mpk[i, g] = _as_f32(pb)
+        lsum[g] = lsum[g] * alpha + ls
+        m[g] = mnew
+        if alpha != 1.0:
+            for i in range(d):
+                acc[g, i] *= alpha
+            for grp in range(zacc.shape[1]):
+                zacc[g, grp] *= alpha
+    # ---- values: scales and zero-point sums per block, then int16 weights per block (as _w16_values)
+    vz = vp[P_ZKIND] != SC_NONE
+    nsv = vts * vcs
+    flim = np.float32(vp[P_DOT])
+    g4 = mwinv.shape[1]
+    for i in range(nb):
+        idx = np.int64(tables[b, j + i])
+        so = U64((idx * vp[P_HS] + vhs) * nsv)
+        svi = msv[i]
+        _scales_t(vscl, vp[P_SKIND], so, vts, vcs, pk, svi)
+        mbits = np.int32(0)
+        for e in range(U64(nsv)):
+            x = _f32_bits(svi[e]) & np.int32(0x7FFFFFFF)
+            mbits = x if x > mbits else mbits
+        mx = _as_f32(mbits)
+        col = U64(i * bs)
+        if vz:
+            zvi = mzv[i]
+            _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zvi)
+            for grp in range(vcs):
+                gb = U64(grp * vts)
+                for g in range(g_n):
+                    row = msc[g]
+                    zsum = _ZERO
+                    if vts > 1:
+                        for t in range(ubs):
+                            zsum += row[col + t] * zvi[gb + t]
+                    else:
+                        zz = zvi[grp]
+                        for t in range(ubs):
+                            zsum += row[col + t] * zz
+                    zacc[g, grp] += zsum
+        for g in range(g_n, g4):  # padding heads: their weight rows stay zero
+            mwinv[i, g] = _ZERO
+        for g in range(g_n):
+            bound = mx * min(mpk[i, g], np.float32(1.0))
+            sg = flim / bound if bound > 0 else _ZERO
+            mwinv[i, g] = bound / flim * vunit
+            row = msc[g]
+            for grp in range(ngv):
+                o = U64((((g // 4) * ngv + grp) * 4 + g % 4) * lw) + col
+                so = U64(grp * vts)
+                if vts > 1:
+                    for t in range(ubs):
+                        mw[o + t] = np.int16(np.rint(row[col + t] * svi[so + t] * sg))
+                else:
+                    s0 = svi[so] * sg
+                    for t in range(ubs):
+                        mw[o + t] = np.int16(np.rint(row[col + t] * s0))
+    for i in range(nb):
+        jj = j + i
+        idx = np.int64(tables[b, jj])
+        vbase = U64(idx * kv_heads + h) * ubs * vrs
+        vnx = np.int64(tables[b, jj + vfar]) if (vfar and jj + vfar < jp) else np.int64(0)
+        vnext = U64(vnx * kv_heads + h) * ubs * vrs if vnx else U64(0)
+        for g0 in range(0, g_n, 4):
+            vpf = vnext if g0 == 0 else U64(0)
+            vpf1 = _near_rows(tables, b, jj, jp, False, kv_heads, h, bs, vrs, 0) if g0 == 0 else U64(0)
+            _vdot_int(vp[P_KIND], vpay[0], vbase, vrs, bs // 2, mw, g0 * ngv * lw + i * bs, 2 * lw, acc, g0 * d, d,
+                      vdp, mwinv[i], g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
+
+
 @njit(fastmath=FASTMATH, **_NOREF)
 def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
             kout, kidx):  # fmt: skip
@@ -1349,16 +1558,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         vnx = np.int64(tables[b, j + vfar]) if (vfar and not tail and j + vfar < jp) else np.int64(0)
         knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
         vnext = U64(vnx * kv_heads + h) * U64(bs) * vrs if vnx else U64(0)
-        if nxt:  # its scales and zero-points too: a few scattered cache lines per block
-            kn = kts * kcs
-            kso = U64((nxt * kp[P_HS] + khs) * kn)
-            _prefetch_scales(kscl, kskind, kso, kn)
-            _prefetch_scales(kzero, kp[P_ZKIND], kso, kn)
-        if vnx:
-            vn = vts * vcs
-            vso = U64((vnx * vp[P_HS] + vhs) * vn)
-            _prefetch_scales(vscl, vskind, vso, vn)
-            _prefetch_scales(vzero, vp[P_ZKIND], vso, vn)
+        _prefetch_block_scales(kscl, kzero, kp, nxt, khs)  # its scales and zero-points too
+        _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
         # ---- keys -> base-2 logits sc[g, t] + kc[g]
         kbase = U64(idx * kv_heads + h) * U64(bs) * krs
         qsrc = qp
@@ -1366,41 +1567,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             kc[g] = _ZERO
         if kskind != SC_NONE and not grouped:
             # scale constant over the block's tokens: fold it into the query once per block
-            so = U64((idx * kp[P_HS] + khs) * kcs)
-            kzt = kp[P_ZKIND] != SC_NONE or kfoff != 0  # a per-block constant kc to compute
-            _scales(kscl, kskind, so, kcs, sk)
-            if kzt:
-                _scales(kzero, kp[P_ZKIND], so, kcs, zk)
-            pks = sk if (kcs > 1 and kper == 1) else pk  # the scales in the keys' plane order
-            if kcs == 1:
-                for i in range(d):
-                    pk[i] = sk[0]
-                    zp[i] = zk[0] - kfoff * sk[0] if kzt else _ZERO
-            elif kper == 1:
-                if kzt:
-                    for i in range(U64(d)):
-                        zp[i] = zk[i] - kfoff * sk[i]
-            else:
-                for k in range(kper):  # natural channel kper * j + k -> plane index k * kdp + j
-                    kb = U64(k * kdp)
-                    for jj in range(U64(kdp)):
-                        c = U64(kper) * jj + U64(k)
-                        pk[kb + jj] = sk[c]
-                        zp[kb + jj] = zk[c] - kfoff * sk[c] if kzt else _ZERO
-            for g in range(g_n):
-                for i in range(U64(d)):
-                    qf[g, i] = qp[g, i] * pks[i]
-                c0 = _ZERO
-                if kzt:
-                    for i in range(U64(d)):
-                        c0 += qp[g, i] * zp[i]
-                kc[g] = c0
+            _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
             qsrc = qf
-            if kint:
-                _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
-                if kunit != 1.0:
-                    for g in range(qinv.shape[0]):
-                        qinv[g] *= kunit
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
             so = U64((idx * kp[P_HS] + khs) * bs * kcs)
@@ -1516,6 +1684,36 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
                          vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf, vnext)  # fmt: skip
             _vacc8(buf, nt, w, t, acc, g_n)
+
+
+@njit(inline="always", **_NOREF)
+def _multi_eligible(kp, vp):
+    """Whether :func:`_attend_runs` takes a history with these specs: integer dot products for keys and values,
+    key scales constant over a block's tokens, scaled values, no outlier key channels, ``kp[P_MULTI]`` > 1."""
+    return (kp[P_DOT] > 0 and vp[P_DOT] > 0 and kp[P_MULTI] > 1 and kp[P_NOUT] == 0 and kp[P_SKIND] != SC_NONE
+            and kp[P_TS] == 1 and vp[P_SKIND] != SC_NONE)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH, **_NOREF)
+def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st,
+                 kout, kidx, mt):  # fmt: skip
+    """:func:`_attend` over sealed blocks ``[j0, j1)`` of row ``b`` for specs :func:`_multi_eligible` takes: runs of
+    up to ``kp[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
+    step each); a block the window starts inside goes through :func:`_attend` alone; released blocks are
+    skipped. A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
+    mlen = kp[P_MULTI]
+    j = j0
+    while j < j1:
+        nb = 0
+        while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (j + nb) * bs >= lo:
+            nb += 1
+        if nb > 0:
+            _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt)
+            j += nb
+        else:  # released (skipped inside), or the window starts in it
+            _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs,
+                    st, kout, kidx)  # fmt: skip
+            j += 1
 
 
 @njit(cache=True)
@@ -1703,6 +1901,10 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
           np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32))  # fmt: skip
+    multi = _multi_eligible(kp, vp)
+    nm = kp[P_MULTI] if multi else 1
+    mt = (np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
+          np.zeros((nm, nscr), np.float32), np.zeros((nm, g4), np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
     it = take_item(runs, t)
     while it >= 0:
         b = items[it, 0]
@@ -1726,8 +1928,12 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
         acc[:] = 0.0
         zacc[:] = 0.0
         while True:
-            _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs, n, lo,
-                    False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
+            if multi:
+                _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs,
+                             n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
+            else:
+                _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs, n,
+                        lo, False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
                 _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
                         bs, st, kout, kidx)  # fmt: skip
