@@ -39,11 +39,11 @@ def main() -> None:
     u64 = np.uint64
 
     @njit
-    def keys(pay, q16, qinv, sc, reps, nblk):  # pragma: no cover - compiled
+    def keys(pay, q16, qinv, sc, mx, reps, nblk):  # pragma: no cover - compiled
         for _ in range(reps):
             for j in range(nblk):
                 nbm._kdot_int(kind, pay, u64(j * bs * d), u64(d), bs // 4, q16, 0, d // 32, qinv, 0, sc, 0, bs, 0,
-                              u64(0), u64(0))  # fmt: skip
+                              mx, 0, u64(0), u64(0))  # fmt: skip
 
     @njit
     def values(pay, w16, acc, winv, reps, nblk):  # pragma: no cover - compiled
@@ -57,13 +57,13 @@ def main() -> None:
         pay = rng.integers(0, 256, nblk * bs * d, dtype=np.uint8)
         q16 = rng.integers(-20000, 20000, 4 * d, dtype=np.int16)
         w16 = rng.integers(0, 20000, 4 * bs, dtype=np.int16)
-        qinv, winv = np.ones(4, np.float32), np.ones(4, np.float32)
+        qinv, winv, mx = np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.float32)
         sc, acc = np.zeros((4, bs), np.float32), np.zeros((4, d), np.float32)
-        keys(pay, q16, qinv, sc, 1, nblk)  # compile and warm
+        keys(pay, q16, qinv, sc, mx, 1, nblk)  # compile and warm
         values(pay, w16, acc, winv, 1, nblk)
         reps = max(1, args.tokens // (nblk * bs))
         ns = []
-        for fn, arrs in ((keys, (pay, q16, qinv, sc)), (values, (pay, w16, acc, winv))):
+        for fn, arrs in ((keys, (pay, q16, qinv, sc, mx)), (values, (pay, w16, acc, winv))):
             best = float("inf")
             for _ in range(3):
                 t = time.perf_counter()

@@ -377,15 +377,15 @@ def test_integer_loops_are_valid_ir_for_every_isa() -> None:
 
 def test_key_loop_scores_match_numpy() -> None:
     """The generated key loop (int8 codes) gives each row's exact integer dot with the int16 query times the
-    head's scale, for the rows asked for and no others."""
+    head's scale, for the rows asked for and no others, and each head's largest of them."""
     from numba import njit
 
     nbm = cpu._nb()
     u64 = np.uint64
 
     @njit
-    def scores(pay, q16, qinv, sc, ngrp):
-        nbm._kdot_int(nbm.S8, pay, u64(0), u64(128), ngrp, q16, 0, 4, qinv, 0, sc, 0, 64, 0, u64(0), u64(0))
+    def scores(pay, q16, qinv, sc, mx, ngrp):
+        nbm._kdot_int(nbm.S8, pay, u64(0), u64(128), ngrp, q16, 0, 4, qinv, 0, sc, 0, 64, 0, mx, 0, u64(0), u64(0))
 
     rng = np.random.default_rng(4)
     for ngrp in (16, 3):
@@ -393,12 +393,15 @@ def test_key_loop_scores_match_numpy() -> None:
         q16 = rng.integers(-32767, 32768, (4, 128), dtype=np.int16)
         qinv = rng.uniform(1e-5, 1e-3, 4).astype(np.float32)
         sc = np.full((4, 64), np.nan, np.float32)
-        scores(codes.view(np.uint8).ravel(), q16.ravel(), qinv, sc, ngrp)
+        mx = np.full(5, np.nan, np.float32)
+        scores(codes.view(np.uint8).ravel(), q16.ravel(), qinv, sc, mx, ngrp)
         rows = 4 * ngrp
         exact = q16.astype(np.int64) @ codes[:rows].T.astype(np.int64)  # [4, rows]
         want = (exact.astype(np.float32) * qinv[:, None]).astype(np.float32)
         np.testing.assert_allclose(sc[:, :rows], want, rtol=1e-6)
         assert np.isnan(sc[:, rows:]).all()  # nothing written past the rows asked for
+        np.testing.assert_array_equal(mx[:4], sc[:, :rows].max(axis=1))  # each head's largest score, exactly
+        assert np.isnan(mx[4])
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -301,11 +301,15 @@ def test_runs_of_blocks_match_one_block_at_a_time(
             outs = []
             for m in (runs, 3, 1):
                 pstate.kp[nbm.P_MULTI] = m
-                outs.append(decode_attention(q, view, window=window, backend="cpu", out=torch.full_like(q, float("nan"))))
+                outs.append(
+                    decode_attention(q, view, window=window, backend="cpu", out=torch.full_like(q, float("nan")))
+                )
             pstate.kp[nbm.P_MULTI] = runs
             for o in outs[:2]:
                 assert_close(o, outs[2], 2e-5, 1e-4, f"{name} window {window}: runs against one block at a time")
-            assert_close(outs[0], ref.decode_attention(q, view, None, window, None), *_tol(kv), f"{name} window {window}")
+            assert_close(
+                outs[0], ref.decode_attention(q, view, None, window, None), *_tol(kv), f"{name} window {window}"
+            )
     finally:
         torch.set_num_threads(old)
 

@@ -161,6 +161,32 @@ def _f32_bits(typingctx, x):
     return types.int32(x), codegen
 
 
+@intrinsic
+def _abs_bits(typingctx, x):
+    """``|x|`` of a float32 as int32 bits: non-negative, ordered like ``|x|`` (NaN aside)."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.and_(builder.bitcast(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+
+    return types.int32(x), codegen
+
+
+@intrinsic
+def _max_i32(typingctx, a, b):
+    """The larger of two int32, as an int32. numba types a comparison of int32 values as int64, so a max
+    reduction written in Python vectorizes over 8 lanes (``vpmaxuq``) instead of 16 (``vpmaxsd``)."""
+    if a != types.int32 or b != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = args
+        return builder.select(builder.icmp_signed(">", x, y), x, y)
+
+    return types.int32(a, b), codegen
+
+
 @njit(**_NOREF)
 def _order_key(x):
     """An int32 that orders like the float32 ``x`` (NaN aside): max/min reductions over it vectorize, where
@@ -831,13 +857,14 @@ def _ir_reduce16(lines: list[str], names: list[str]) -> str:
 
 
 def _kdot_ir(name: str, kind: int, isa: str) -> str:
-    """IR of ``void name(ptr k, i64 rs, i64 ngrp, ptr q, i64 nm, ptr scl, ptr sc, i64 ld)``: scores of
-    ``4 * ngrp`` rows (row ``r`` at ``k + r * rs`` bytes) for 4 heads,
+    """IR of ``void name(ptr k, i64 rs, i64 ngrp, ptr q, i64 nm, ptr scl, ptr sc, i64 ld, i64 off, ptr mx, ...)``:
+    scores of ``4 * ngrp`` rows (row ``r`` at ``k + r * rs`` bytes) for 4 heads,
     ``sc[g * ld + r] = scl[g] * sum_{k < per, m < nm, i < 32} q[((g * per + k) * nm + m) * 32 + i] * code(r, 32 m + i, k)``
-    with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass."""
+    with int16 ``q`` and exact int32 sums; four rows x four heads = 16 accumulators per pass. ``mx[g]``: head
+    ``g``'s largest score over the ``4 * ngrp`` rows (one compare per four rows: no separate max pass)."""
     per, signed = _INT_KINDS[kind]
     lines = [f"define void @{name}(ptr %k, i64 %rs, i64 %ngrp, ptr %q, i64 %nm, ptr %scl, ptr %sc, i64 %ld, "
-             "i64 %off, ptr %pf, ptr %pf1) {",
+             "i64 %off, ptr %mx, ptr %pf, ptr %pf1) {",
              "entry:",
              "  %scl4 = load <4 x float>, ptr %scl, align 4",
              f"  %sclv = shufflevector <4 x float> %scl4, <4 x float> poison, {_ir_mask([n // 4 for n in range(16)])}",
@@ -849,6 +876,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
     lines += ["  br label %grp",
              "grp:",
              "  %gi = phi i64 [0, %entry], [%gi.next, %grp.end]",
+             f"  %mxv = phi <16 x float> [{_ir_vec('float', ['0xFFF0000000000000'] * 16)}, %entry], [%mxn, %grp.end]",
              "  %row0 = mul i64 %gi, %rs4",
              "  %rp0 = getelementptr i8, ptr %k, i64 %row0"]  # fmt: skip
     lines += [f"  %rp{r} = getelementptr i8, ptr %rp{r - 1}, i64 %rs" for r in range(1, 4)]
@@ -882,6 +910,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
               "  br i1 %mc, label %mloop, label %grp.end", "grp.end:"]  # fmt: skip
     tot = _ir_reduce16(lines, [f"%a{n}.out" for n in range(16)])
     lines += [f"  %tf = sitofp <16 x i32> {tot} to <16 x float>", "  %ts = fmul <16 x float> %tf, %sclv",
+              "  %mxc = fcmp ogt <16 x float> %ts, %mxv", "  %mxn = select <16 x i1> %mxc, <16 x float> %ts, <16 x float> %mxv",
               "  %col = mul i64 %gi, 4"]  # fmt: skip
     for g in range(4):
         lines += [f"  %o{g} = shufflevector <16 x float> %ts, <16 x float> poison, {_ir_mask(range(4 * g, 4 * g + 4))}",
@@ -889,7 +918,15 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
                   f"  %op{g} = getelementptr float, ptr %sc, i64 %oi{g}",
                   f"  store <4 x float> %o{g}, ptr %op{g}, align 4"]  # fmt: skip
     lines += ["  %gi.next = add i64 %gi, 1", "  %gc = icmp ult i64 %gi.next, %ngrp",
-              "  br i1 %gc, label %grp, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
+              "  br i1 %gc, label %grp, label %exit", "exit:"]  # fmt: skip
+    cur = "%mxn"  # lanes 4g..4g+3 are head g's rows: two swaps within each four leave its max in every lane
+    for step, mask in enumerate(([i ^ 1 for i in range(16)], [i ^ 2 for i in range(16)])):
+        lines += [f"  %mxs{step} = shufflevector <16 x float> {cur}, <16 x float> poison, {_ir_mask(mask)}",
+                  f"  %mxc{step} = fcmp ogt <16 x float> %mxs{step}, {cur}",
+                  f"  %mxr{step} = select <16 x i1> %mxc{step}, <16 x float> %mxs{step}, <16 x float> {cur}"]  # fmt: skip
+        cur = f"%mxr{step}"
+    lines += [f"  %mx4 = shufflevector <16 x float> {cur}, <16 x float> poison, {_ir_mask([0, 4, 8, 12])}",
+              "  store <4 x float> %mx4, ptr %mx, align 4", "  ret void", "}"]  # fmt: skip
     return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
@@ -1124,8 +1161,8 @@ def _simd_codegen(role: str, kind: int):
 
 def _kdot_intrinsic(kind: int):
     @intrinsic
-    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1):
-        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pf, pfo, pf1, pfo1)
+    def kdot(typingctx, pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, pf, pfo, pf1, pfo1):
+        sig = types.void(pay, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, pf, pfo, pf1, pfo1)
         return sig, _simd_codegen("k", kind)
 
     return kdot
@@ -1145,20 +1182,21 @@ _vdot_s8, _vdot_u8, _vdot_u4, _vdot_u2, _vdot_e4, _vdot_e5 = (_vdot_intrinsic(k)
 
 
 @njit(**_NOREF)
-def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, pfo, pfo1):
-    """Scores of ``4 * ngrp`` rows for 4 heads with int16 queries (see :func:`_kdot_ir`)."""
+def _kdot_int(kind, p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, pfo, pfo1):
+    """Scores of ``4 * ngrp`` rows for 4 heads with int16 queries, their largest per head at ``mx[mxo:]`` (see
+    :func:`_kdot_ir`)."""
     if kind == S8:
-        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_s8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
     elif kind == U8:
-        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_u8(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
     elif kind == U4:
-        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_u4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
     elif kind == E4M3:
-        _kdot_e4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_e4(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
     elif kind == E5M2:
-        _kdot_e5(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_e5(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
     else:
-        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, p8, pfo, p8, pfo1)
+        _kdot_u2(p8, off, rs, ngrp, q16, qo, nm, qinv, qio, sc, sco, ld, coff, mx, mxo, p8, pfo, p8, pfo1)
 
 
 @njit(**_NOREF)
@@ -1194,8 +1232,7 @@ def _q16_keys(qf, lim, cbar, q16, qinv, kc):
         row = qf[g]
         mb = np.int32(0)
         for i in range(ud):
-            b = _f32_bits(row[i]) & np.int32(0x7FFFFFFF)  # |x| as ordered int bits
-            mb = b if b > mb else mb
+            mb = _max_i32(mb, _abs_bits(row[i]))
         mx = _as_f32(mb)
         s = flim / mx if mx > 0 else _ZERO
         inv = mx / flim
@@ -1224,8 +1261,7 @@ def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
     for grp in range(ngv):
         so = U64(grp * vts)
         for t in range(s0, s1):
-            b = _f32_bits(sv[so + t]) & np.int32(0x7FFFFFFF)
-            mb = b if b > mb else mb
+            mb = _max_i32(mb, _abs_bits(sv[so + t]))
     mx = _as_f32(mb)
     flim = np.float32(lim)
     for g in range(g4):
@@ -1347,7 +1383,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     their sum, the rescale of the accumulator (fixed costs that made up ~10% of an int8 block's time).
     ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
     ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points
-    per block; mpk ``[M, G4]`` each block's largest p; mwinv ``[M, G4]`` each block's weight unit), with
+    per block; mpk ``[M * G4]`` each block's largest score, then its largest p; mwinv ``[M, G4]`` each block's weight unit), with
     ``M = kp[P_MULTI] >= nb``."""
     qp, m, lsum, acc, zacc, w, qf, kc, sk, zk, pk, zp, q16, qinv = (st[0], st[2], st[3], st[4], st[5], st[7], st[9],
         st[10], st[11], st[12], st[15], st[16], st[19], st[21])  # fmt: skip
@@ -1372,6 +1408,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     vspan = vdp // vcs if vcs > 1 else vdp
     kfar, vfar = kp[P_FAR], vp[P_FAR]
     ubs = U64(bs)
+    g4 = mwinv.shape[1]
     # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included
     for i in range(nb):
         jj = j + i
@@ -1387,38 +1424,34 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
             kpf = knext if g0 == 0 else U64(0)
             kpf1 = _near_rows(tables, b, jj, jp, False, kv_heads, h, bs, krs, 0) if g0 == 0 else U64(0)
             _kdot_int(kp[P_KIND], kpay[0], kbase, krs, bs // 4, q16, g0 * d, kdp // 32, qinv, g0, msc,
-                      g0 * lw + i * bs, lw, kp[P_OFF], kpf, kpf1)  # fmt: skip
+                      g0 * lw + i * bs, lw, kp[P_OFF], mpk, i * g4 + g0, kpf, kpf1)  # fmt: skip
         col = U64(i * bs)
         for g in range(g_n):
             c = kc[g]
             if c != 0:
+                mpk[i * g4 + g] += c
                 row = msc[g]
                 for t in range(ubs):
                     row[col + t] += c
-    # ---- online softmax (base 2), once for the nb blocks; mpk[i, g]: block i's largest weight p, which with its
-    # largest scale bounds its int16 weights (per block, as on the one-block path: a bound shared by the run
-    # costs the blocks far from the attention's peak their precision)
+    # ---- online softmax (base 2), once for the nb blocks. mpk[i * G4 + g]: block i's largest score (from the key
+    # loop), then its largest weight p, which with its largest scale bounds its int16 weights (per block, as on
+    # the one-block path: a bound shared by the run costs the blocks far from the attention's peak precision)
     n = U64(nb * bs)
     for g in range(g_n):
         row = msc[g]
-        ib = _order_key(row[0])
-        for t in range(n):
-            x = _order_key(row[t])
-            ib = x if x > ib else ib
-        mb = _from_order_key(ib)
+        mb = mpk[g]
+        for i in range(1, nb):
+            x = mpk[i * g4 + g]
+            mb = x if x > mb else mb
         mnew = mb if mb > m[g] else m[g]
         alpha = _exp2(m[g] - mnew)
         ls = _ZERO
+        for t in range(n):
+            p = _exp2(row[t] - mnew)
+            row[t] = p
+            ls += p
         for i in range(nb):
-            col = U64(i * bs)
-            pb = np.int32(0)
-            for t in range(ubs):
-                p = _exp2(row[col + t] - mnew)
-                row[col + t] = p
-                ls += p
-                x = _f32_bits(p)  # p >= 0: its bits are ordered as its values
-                pb = x if x > pb else pb
-            mpk[i, g] = _as_f32(pb)
+            mpk[i * g4 + g] = _exp2(mpk[i * g4 + g] - mnew)
         lsum[g] = lsum[g] * alpha + ls
         m[g] = mnew
         if alpha != 1.0:
@@ -1430,7 +1463,6 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     vz = vp[P_ZKIND] != SC_NONE
     nsv = vts * vcs
     flim = np.float32(vp[P_DOT])
-    g4 = mwinv.shape[1]
     for i in range(nb):
         idx = np.int64(tables[b, j + i])
         so = U64((idx * vp[P_HS] + vhs) * nsv)
@@ -1438,8 +1470,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         _scales_t(vscl, vp[P_SKIND], so, vts, vcs, pk, svi)
         mbits = np.int32(0)
         for e in range(U64(nsv)):
-            x = _f32_bits(svi[e]) & np.int32(0x7FFFFFFF)
-            mbits = x if x > mbits else mbits
+            mbits = _max_i32(mbits, _abs_bits(svi[e]))
         mx = _as_f32(mbits)
         col = U64(i * bs)
         if vz:
@@ -1461,7 +1492,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         for g in range(g_n, g4):  # padding heads: their weight rows stay zero
             mwinv[i, g] = _ZERO
         for g in range(g_n):
-            bound = mx * min(mpk[i, g], np.float32(1.0))
+            bound = mx * min(mpk[i * g4 + g], np.float32(1.0))
             sg = flim / bound if bound > 0 else _ZERO
             mwinv[i, g] = bound / flim * vunit
             row = msc[g]
@@ -1497,17 +1528,18 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
     tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; for the tail, kpay/vpay are the tails'
     views and kp/vp their passthrough specs, and the "block" is indexed by ``b``. kp/vp: spec parameters;
-    ``st`` = (qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx):
+    ``st`` = (qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, kmx):
     qp ``[G4, D]`` the query in the keys' plane order, pre-scaled by ``sm_scale * log2(e)`` (G rounded up to
     a multiple of 4, padding rows zero); qsum
     ``[G, nkg]`` its sums per key scale group; m, lsum ``[G]`` running max (base 2) and sum; acc ``[G, D]``
     in the values' plane order; zacc ``[G, nvg]`` zero-point / offset terms per value group; buf
-    ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; the rest is scratch.
+    ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; kmx ``[G4]`` the key loop's
+    maxima (unused here: its rows may start before ``t0``); the rest is scratch.
     kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
     ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
     """
-    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv = st
+    qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, kmx = st
     g_n, d = w.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
     vper, vskind, vts, vcs = vp[P_PER], vp[P_SKIND], vp[P_TS], vp[P_CS]
@@ -1582,7 +1614,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
                 kpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
-                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kpf, kpf1)  # fmt: skip
+                          qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kmx, g0, kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
             nt = min(TILE, t1 - t)
             _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
@@ -1900,11 +1932,12 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty((TILE, d), np.float32), np.empty(d, np.float32), np.zeros(g4 * d, np.int16),
-          np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32))  # fmt: skip
+          np.zeros(g4 * ngv * bs, np.int16), np.zeros(g4, np.float32), np.zeros(g4, np.float32),
+          np.zeros(g4, np.float32))  # fmt: skip
     multi = _multi_eligible(kp, vp)
     nm = kp[P_MULTI] if multi else 1
     mt = (np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
-          np.zeros((nm, nscr), np.float32), np.zeros((nm, g4), np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
+          np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
     it = take_item(runs, t)
     while it >= 0:
         b = items[it, 0]
