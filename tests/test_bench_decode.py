@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from kvpack.bench.membw import measure_read_bandwidth
 from kvpack.cli.main import main
 from kvpack.errors import ConfigError
 from kvpack.formats import PRESETS
-from kvpack.kernels import decode_attention, reference
+from kvpack.kernels import cpu, decode_attention, reference
 from kvpack.testing import assert_close, cpu_kernel_tolerance
 
 TINY = dict(contexts=(70,), batch=2, q_heads=4, kv_heads=2, head_dim=64, block_size=16, formats=("int8", "kivi2"),
@@ -153,3 +155,30 @@ def test_bench_generate_delegates_or_explains(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "kvpack.bench.generate", None)  # as if the module were not installed
     assert main(["bench", "generate", "--quick"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_spec_ab_script_times_each_setting_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/cpu_spec_ab.py`` (settings of a spec parameter alternated in one process) on a small
+    context: one row per setting, ratios to the first, and the parameter set back afterwards."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_spec_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_spec_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    states = []
+    prepare = cpu._prepare
+    monkeypatch.setattr(cpu, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
+    monkeypatch.setattr(sys, "argv", ["x", "--values", "8,1", "--context", "1024", "--rounds", "2", "--threads", "1"])
+    old = torch.get_num_threads()
+    try:
+        mod.main()
+    finally:
+        torch.set_num_threads(old)
+    lines = capsys.readouterr().out.splitlines()
+    assert "P_MULTI" in lines[0] and "ns per (token, kv head)" in lines[0]
+    rows = [ln.split() for ln in lines[1:]]
+    assert [r[0] for r in rows] == ["8", "1"] and all(float(r[1]) > 0 for r in rows)
+    assert rows[0][3:] == ["1.00", "1.00"]  # the first setting is the reference of every round
+    nbm = cpu._nb()
+    assert int(states[0].kp[nbm.P_MULTI]) == cpu.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])

@@ -1,0 +1,87 @@
+"""Compare settings of a CPU kernel spec parameter in one process, call by call.
+
+Between processes this shared box moves a 32k decode call by +-10%; settings alternated in one process,
+round by round, give ratios that spread over a few percent. Only parameters that are data to the compiled
+kernel can be compared this way (a spec's ``P_*`` entries, e.g. ``P_MULTI``: blocks per softmax step,
+``P_FAR``: prefetch distance); a change to the code needs separate builds.
+
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1,16               # wall ms, 2 threads
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1 --threads 1      # CPU ns per (token, kv head)
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1 --threads 1 --hot-blocks 8   # data in L2
+
+One thread reports that thread's CPU time per (token, kv head), the best of 5 calls per round; more threads
+report the median wall time of 5 calls. Both print each setting's median over the rounds and its ratio to the
+first setting in every round. Shapes: batch 4, 32 q / 8 kv heads, head_dim 128, block 64, shuffled block ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv
+from kvpack.kernels import cpu, decode_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--param", default="P_MULTI", help="a spec parameter of kvpack.kernels.cpu_numba (P_*)")
+    ap.add_argument("--values", default="8,1", help="comma-separated settings; ratios are to the first")
+    ap.add_argument("--role", choices=("key", "value", "both"), default="both", help="which spec gets the setting")
+    ap.add_argument("--format", default="int8")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hot-blocks", type=int, default=0, help="each sequence cycles over its first N blocks (8: in L2)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.context
+    case = _make_case(DecodeConfig(contexts=(n,), formats=(args.format,)), n)
+    kv = build_paged_kv(args.format, case.k, case.v, 64)
+    if args.hot_blocks:
+        nb = n // 64
+        for row in kv.block_tables:
+            row[:nb] = row[: args.hot_blocks].repeat(nb // args.hot_blocks + 1)[:nb].clone()
+    out = torch.empty_like(case.q)
+
+    def call() -> None:
+        decode_attention(case.q, kv, backend="cpu", out=out)
+
+    call()
+    state, index = cpu._prepare(kv), getattr(cpu._nb(), args.param)
+    specs = [s for r, s in (("key", state.kp), ("value", state.vp)) if args.role in (r, "both")]
+    old = [int(s[index]) for s in specs]
+    values = [int(v) for v in args.values.split(",")]
+    res: dict[int, list[float]] = {v: [] for v in values}
+    try:
+        for _ in range(args.rounds):
+            for v in values:
+                for s in specs:
+                    s[index] = v
+                call()
+                ts = []
+                for _ in range(5):
+                    if args.threads == 1:
+                        t = time.thread_time_ns()
+                        call()
+                        ts.append((time.thread_time_ns() - t) / (case.k.shape[0] * case.k.shape[1] * n))
+                    else:
+                        t = time.perf_counter()
+                        call()
+                        ts.append((time.perf_counter() - t) * 1e3)
+                res[v].append(min(ts) if args.threads == 1 else statistics.median(ts))
+    finally:
+        for s, o in zip(specs, old):
+            s[index] = o
+    unit = "ns per (token, kv head), one thread's CPU time" if args.threads == 1 else f"ms, {args.threads} threads"
+    print(f"{args.format}, context {n}{', hot' if args.hot_blocks else ''}: {args.param} -> {unit}")
+    for v in values:
+        ratios = " ".join(f"{a / b:.2f}" for a, b in zip(res[v], res[values[0]]))
+        print(f"{v:>6}  {statistics.median(res[v]):7.2f}  ratios {ratios}")
+
+
+if __name__ == "__main__":
+    main()
