@@ -5,9 +5,9 @@ round by round, give ratios that spread over a few percent. Only parameters that
 kernel can be compared this way (a spec's ``P_*`` entries, e.g. ``P_MULTI``: blocks per softmax step,
 ``P_FAR``: prefetch distance); a change to the code needs separate builds.
 
-    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1,16               # wall ms, 2 threads
-    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1 --threads 1      # CPU ns per (token, kv head)
-    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 8,1 --threads 1 --hot-blocks 8   # data in L2
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 16,1,8               # wall ms, 2 threads
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 16,1 --threads 1     # CPU ns per (token, kv head)
+    python benchmarks/cpu_spec_ab.py --param P_MULTI --values 16,1 --threads 1 --hot-blocks 8  # data in L2
 
 One thread reports that thread's CPU time per (token, kv head), the best of 5 calls per round; more threads
 report the median wall time of 5 calls. Both print each setting's median over the rounds and its ratio to the
@@ -29,7 +29,7 @@ from kvpack.kernels import cpu, decode_attention
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--param", default="P_MULTI", help="a spec parameter of kvpack.kernels.cpu_numba (P_*)")
-    ap.add_argument("--values", default="8,1", help="comma-separated settings; ratios are to the first")
+    ap.add_argument("--values", default="16,1", help="comma-separated settings; ratios are to the first")
     ap.add_argument("--role", choices=("key", "value", "both"), default="both", help="which spec gets the setting")
     ap.add_argument("--format", default="int8")
     ap.add_argument("--context", type=int, default=32768)

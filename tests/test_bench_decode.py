@@ -169,7 +169,7 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
     states = []
     prepare = cpu._prepare
     monkeypatch.setattr(cpu, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
-    monkeypatch.setattr(sys, "argv", ["x", "--values", "8,1", "--context", "1024", "--rounds", "2", "--threads", "1"])
+    monkeypatch.setattr(sys, "argv", ["x", "--values", "16,1", "--context", "1024", "--rounds", "2", "--threads", "1"])
     old = torch.get_num_threads()
     try:
         mod.main()
@@ -178,7 +178,7 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
     lines = capsys.readouterr().out.splitlines()
     assert "P_MULTI" in lines[0] and "ns per (token, kv head)" in lines[0]
     rows = [ln.split() for ln in lines[1:]]
-    assert [r[0] for r in rows] == ["8", "1"] and all(float(r[1]) > 0 for r in rows)
+    assert [r[0] for r in rows] == ["16", "1"] and all(float(r[1]) > 0 for r in rows)
     assert rows[0][3:] == ["1.00", "1.00"]  # the first setting is the reference of every round
     nbm = cpu._nb()
     assert int(states[0].kp[nbm.P_MULTI]) == cpu.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])
