@@ -37,6 +37,9 @@ are centred in the loop (``code - off``), which leaves the per-block constants w
 two loops are LLVM IR text (numba has no vector types) linked into the caller; they also prefetch the
 block after next into L2 and (rows of 128 bytes or more: int8) the next block into L1, spread over their
 own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the scores (:func:`_outlier_scores`).
+Where keys and values both take the integer path (key scales constant over a block, no outlier channels),
+the blocks go in runs (:func:`_attend_runs`) that share one softmax step (:func:`_attend_multi`): the max
+comes from the key loop, and the exponentials and the rescale run once per run instead of once per block.
 
 Packed int4/int2 rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte
 ``j``; the query is permuted into the keys' plane order and the accumulator lives in the values' plane
