@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv
+from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv, cycle_blocks
 from kvpack.kernels import decode_attention
 
 
@@ -96,9 +96,7 @@ def main() -> None:
     case = _make_case(cfg, args.context)
     kv = build_paged_kv(args.format, case.k, case.v, cfg.block_size)
     if args.hot_blocks:  # the compute alone: a few blocks read over and over stay in the caches
-        nb = args.context // cfg.block_size
-        for row in kv.block_tables:
-            row[:nb] = row[: args.hot_blocks].repeat(nb // args.hot_blocks + 1)[:nb].clone()
+        cycle_blocks(kv, args.hot_blocks)
     out = torch.empty_like(case.q)
 
     def step() -> None:

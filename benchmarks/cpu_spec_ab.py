@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv
+from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv, cycle_blocks
 from kvpack.kernels import cpu, decode_attention
 
 
@@ -42,9 +42,7 @@ def main() -> None:
     case = _make_case(DecodeConfig(contexts=(n,), formats=(args.format,)), n)
     kv = build_paged_kv(args.format, case.k, case.v, 64)
     if args.hot_blocks:
-        nb = n // 64
-        for row in kv.block_tables:
-            row[:nb] = row[: args.hot_blocks].repeat(nb // args.hot_blocks + 1)[:nb].clone()
+        cycle_blocks(kv, args.hot_blocks)
     out = torch.empty_like(case.q)
 
     def call() -> None:

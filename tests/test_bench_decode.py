@@ -182,3 +182,19 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
     assert rows[0][3:] == ["1.00", "1.00"]  # the first setting is the reference of every round
     nbm = cpu._nb()
     assert int(states[0].kp[nbm.P_MULTI]) == cpu.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])
+
+
+def test_cycle_blocks_points_every_sequence_at_its_first_blocks_over_and_over() -> None:
+    """``cycle_blocks`` (the benchmarks' ``--hot-blocks``): each sequence's sealed blocks become its first ``N``
+    ids repeated, the tail is left alone, and the result is still a cache the kernel reads like the reference."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 200, 64, generator=g), torch.randn(2, 2, 200, 64, generator=g)
+    kv = bench.build_paged_kv("int8", k, v, 16)
+    before = kv.block_tables.clone()
+    bench.cycle_blocks(kv, 3)
+    for b in range(2):
+        assert kv.block_tables[b, :12].tolist() == before[b, :3].tolist() * 4
+        assert torch.equal(kv.block_tables[b, 12:], before[b, 12:])
+    q = torch.randn(2, 8, 64, generator=g)
+    got = decode_attention(q, kv, backend="cpu", out=torch.full_like(q, float("nan")))
+    assert_close(got, reference.decode_attention(q, kv), *cpu_kernel_tolerance(kv), "cycled blocks")

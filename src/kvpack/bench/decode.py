@@ -177,6 +177,16 @@ def build_paged_kv(
     return PagedKV(fmt, d, kd, ks, kz, vd, vs, vz, tables, lens, tail_k, tail_v, key_rotation=rot, **sink)
 
 
+def cycle_blocks(kv: PagedKV, blocks: int) -> None:
+    """Point each sequence's sealed blocks at its first ``blocks`` block ids over and over, in place. A kernel
+    timed on ``kv`` then reads the same few blocks, which stay in the caches: its compute alone (the
+    ``--hot-blocks`` option of ``benchmarks/cpu_kernel_perf.py`` and ``benchmarks/cpu_spec_ab.py``)."""
+    for b, row in enumerate(kv.block_tables):
+        nb = int(kv.seq_lens[b]) // kv.block_size
+        if nb > blocks:
+            row[:nb] = row[:blocks].repeat(nb // blocks + 1)[:nb].clone()
+
+
 def cache_bytes(kv: PagedKV) -> int:
     """Bytes of the stored cache the sequences of ``kv`` occupy: sealed blocks (payload, scales, zeros)
     plus the tail tokens and the sink rows read instead of block rows, which is what a decode step reads."""

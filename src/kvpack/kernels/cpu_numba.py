@@ -1364,6 +1364,20 @@ def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf
                 qinv[g] *= kunit
 
 
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc):
+    """Head ``g``'s online-softmax state after a step whose weights (relative to the new max ``mnew``) sum to
+    ``ls``: the running sum and the accumulators ``acc`` ``[G4, D]``, ``zacc`` ``[G, nvg]`` scaled by
+    ``alpha = exp2(m_old - mnew)`` (skipped when the max did not move)."""
+    lsum[g] = lsum[g] * alpha + ls
+    m[g] = mnew
+    if alpha != 1.0:
+        for i in range(acc.shape[1]):
+            acc[g, i] *= alpha
+        for grp in range(zacc.shape[1]):
+            zacc[g, grp] *= alpha
+
+
 @njit(inline="always", **_NOREF)
 def _prefetch_block_scales(scl, zero, p, blk, hs):
     """Prefetch the scales and zero-points of block ``blk`` (0: none), head slot ``hs``: a few scattered lines."""
@@ -1455,13 +1469,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
             ls += p
         for i in range(nb):
             mpk[i * g4 + g] = _exp2(mpk[i * g4 + g] - mnew)
-        lsum[g] = lsum[g] * alpha + ls
-        m[g] = mnew
-        if alpha != 1.0:
-            for i in range(d):
-                acc[g, i] *= alpha
-            for grp in range(zacc.shape[1]):
-                zacc[g, grp] *= alpha
+        _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
     # ---- values: scales and zero-point sums per block, then int16 weights per block (as _w16_values)
     vz = vp[P_ZKIND] != SC_NONE
     nsv = vts * vcs
@@ -1663,13 +1671,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                 p = _exp2(sc[g, t] + shift)
                 sc[g, t] = p
                 ls += p
-            lsum[g] = lsum[g] * alpha + ls
-            m[g] = mnew
-            if alpha != 1.0:
-                for i in range(d):
-                    acc[g, i] *= alpha
-                for grp in range(zacc.shape[1]):
-                    zacc[g, grp] *= alpha
+            _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
         # ---- values: the per-token (group) scale folded into the weight, zero-points summed per group
         vbase = U64(idx * kv_heads + h) * U64(bs) * vrs
         if vskind != SC_NONE:
