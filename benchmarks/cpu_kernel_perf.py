@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv, cycle_blocks
+from kvpack.bench.decode import add_case_options, case_from_options
 from kvpack.kernels import decode_attention
 
 
@@ -85,18 +85,10 @@ def write_perf_map() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--format", default="int8")
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--hot-blocks", type=int, default=0, help="each sequence cycles over its first N blocks (8: in L2)")
+    add_case_options(ap, threads=1)  # --hot-blocks: the compute alone, a few blocks read over and over
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = DecodeConfig(contexts=(args.context,), formats=(args.format,))
-    case = _make_case(cfg, args.context)
-    kv = build_paged_kv(args.format, case.k, case.v, cfg.block_size)
-    if args.hot_blocks:  # the compute alone: a few blocks read over and over stay in the caches
-        cycle_blocks(kv, args.hot_blocks)
+    case, kv = case_from_options(args)
     out = torch.empty_like(case.q)
 
     def step() -> None:

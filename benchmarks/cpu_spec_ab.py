@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv, cycle_blocks
+from kvpack.bench.decode import add_case_options, case_from_options
 from kvpack.kernels import cpu, decode_attention
 
 
@@ -31,18 +31,11 @@ def main() -> None:
     ap.add_argument("--param", default="P_MULTI", help="a spec parameter of kvpack.kernels.cpu_numba (P_*)")
     ap.add_argument("--values", default="16,1", help="comma-separated settings; ratios are to the first")
     ap.add_argument("--role", choices=("key", "value", "both"), default="both", help="which spec gets the setting")
-    ap.add_argument("--format", default="int8")
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--hot-blocks", type=int, default=0, help="each sequence cycles over its first N blocks (8: in L2)")
+    add_case_options(ap, threads=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    case, kv = case_from_options(args)
     n = args.context
-    case = _make_case(DecodeConfig(contexts=(n,), formats=(args.format,)), n)
-    kv = build_paged_kv(args.format, case.k, case.v, 64)
-    if args.hot_blocks:
-        cycle_blocks(kv, args.hot_blocks)
     out = torch.empty_like(case.q)
 
     def call() -> None:

@@ -27,6 +27,7 @@ fresh pool, each prompt prefilled in one go, as :class:`kvpack.cache.PagedKVCach
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import statistics
@@ -185,6 +186,27 @@ def cycle_blocks(kv: PagedKV, blocks: int) -> None:
         nb = int(kv.seq_lens[b]) // kv.block_size
         if nb > blocks:
             row[:nb] = row[:blocks].repeat(nb // blocks + 1)[:nb].clone()
+
+
+def add_case_options(ap: argparse.ArgumentParser, threads: int) -> None:
+    """The options the CPU kernel's scripts share (``benchmarks/cpu_kernel_perf.py``, ``cpu_spec_ab.py``):
+    ``--format``, ``--context``, ``--threads`` (default ``threads``) and ``--hot-blocks``."""
+    ap.add_argument("--format", default="int8")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--hot-blocks", type=int, default=0, help="each sequence cycles over its first N blocks (8: in L2)")
+
+
+def case_from_options(args: argparse.Namespace) -> tuple[_Case, PagedKV]:
+    """The sweep's case and cache (batch 4, 32 q / 8 kv heads, head_dim 128, block 64, shuffled block ids) for
+    the options of :func:`add_case_options`; sets torch's thread count and applies :func:`cycle_blocks`."""
+    torch.set_num_threads(args.threads)
+    cfg = DecodeConfig(contexts=(args.context,), formats=(args.format,))
+    case = _make_case(cfg, args.context)
+    kv = build_paged_kv(args.format, case.k, case.v, cfg.block_size)
+    if args.hot_blocks:
+        cycle_blocks(kv, args.hot_blocks)
+    return case, kv
 
 
 def cache_bytes(kv: PagedKV) -> int:
