@@ -178,8 +178,8 @@ def _abs_bits(typingctx, x):
 
 @intrinsic
 def _max_i32(typingctx, a, b):
-    """The larger of two int32, as an int32. numba types a comparison of int32 values as int64, so a max
-    reduction written in Python vectorizes over 8 lanes (``vpmaxuq``) instead of 16 (``vpmaxsd``)."""
+    """The larger of two int32, as an int32. numba widens int32 arithmetic (the ``&`` of the bits) to int64, so
+    the same max reduction written in Python vectorized over 8 lanes (``vpmaxuq``) instead of 16."""
     if a != types.int32 or b != types.int32:
         return None
 
