@@ -1319,6 +1319,16 @@ def _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, rs, t):
     return U64(nxt * kv_heads + h) * U64(bs) * rs + U64(t) * rs if nxt else U64(0)
 
 
+@njit(inline="always", **_NOREF)
+def _key_midpoint(kp):
+    """The midpoint of a key spec's codes on the integer path, against which :func:`_q16_keys` takes out the
+    query's rounding: 0 for signed and fp8 codes and for offset-binary ones (centred in the loop), else
+    ``(2**bits - 1) / 2`` (codes with a zero-point)."""
+    if kp[P_KIND] == S8 or kp[P_KIND] == E4M3 or kp[P_KIND] == E5M2 or kp[P_OFF] != 0:
+        return _ZERO
+    return np.float32(((1 << (8 // kp[P_PER])) - 1) / 2)
+
+
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv):
     """Fold block ``idx``'s key scales (constant over its tokens) into the query: ``qf[g, c] = qp[g, c] * s[c]``
@@ -1415,11 +1425,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     vrs = U64(vp[P_ROW])
     vts, vcs = vp[P_TS], vp[P_CS]
     ngv = vcs if vcs > 1 else 1
-    kcbar = (
-        _ZERO
-        if (kp[P_KIND] == S8 or kp[P_KIND] == E4M3 or kp[P_KIND] == E5M2 or kp[P_OFF] != 0)
-        else np.float32(((1 << (8 // kp[P_PER])) - 1) / 2)
-    )
+    kcbar = _key_midpoint(kp)
     kunit = _code_unit(kp[P_KIND])
     vunit = _code_unit(vp[P_KIND])
     vspan = vdp // vcs if vcs > 1 else vdp
@@ -1571,11 +1577,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     # per-block constants then leave it out; codes with a zero-point keep their midpoint (see _q16_keys)
     kfoff = _ZERO if kint else koff
     vzoff = _ZERO if vint else voff
-    kcbar = (
-        _ZERO
-        if (kp[P_KIND] == S8 or kp[P_KIND] == E4M3 or kp[P_KIND] == E5M2 or kp[P_OFF] != 0)
-        else np.float32(((1 << (8 // kper)) - 1) / 2)
-    )
+    kcbar = _key_midpoint(kp)
     kunit = _code_unit(kp[P_KIND]) if kint else np.float32(1.0)  # fp8 codes: table words -> values
     vunit = _code_unit(vp[P_KIND]) if vint else np.float32(1.0)
     vspan = vdp // vcs if vcs > 1 else vdp
