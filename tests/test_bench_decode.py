@@ -78,7 +78,7 @@ def test_sweep_rows_have_every_column() -> None:
 @pytest.mark.parametrize("order", ["shuffled", "ascending"])
 def test_block_read_probe_reads_every_line_the_kernel_reads(name: str, order: str) -> None:
     """The probe's XOR per work item is the XOR of the first word of every 64-byte line of that item's key and
-    value rows: it reads exactly the kernel's blocks (released ones skipped), nothing else."""
+    value rows: it reads exactly the kernel's blocks (released ones skipped, also inside a run), each once."""
     import numpy as np
 
     from kvpack.bench.blockread import BlockRead
@@ -97,6 +97,7 @@ def test_block_read_probe_reads_every_line_the_kernel_reads(name: str, order: st
     words = [t.contiguous().view(torch.uint8).reshape(t.shape[0], 2, -1).numpy().view(np.uint64)[:, :, ::8]
              for t in (kv.k_data, kv.v_data)]  # fmt: skip
     assert len(probe.items) > 1
+    assert probe.blocks_per_run == cpu.MULTI_TOKENS // 16  # keys of a run's blocks, then their values
     for i, (b, h, j0, j1, _) in enumerate(probe.items):
         blk = kv.block_tables[b, j0:j1].numpy()
         blk = blk[blk > 0]

@@ -5,11 +5,13 @@ prefetchers follow at full speed. A decode kernel cannot read like that: it read
 in block-table order, one kv head at a time, and block ids are arbitrary (a fragmented pool), so every
 ``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
 This probe does exactly the kernel's reads and nothing else: the same work items and threads
-(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu.run_items`), keys then values of each
-block, one load per 64-byte line, the same software prefetching (the block ``cpu.FAR_BLOCKS`` ahead, the
-block after next, into L2, and for rows of 128 bytes or more the next block into L1), no arithmetic. Its
-time is what a kernel with free compute would take on this cache, so ``probe ms / kernel ms`` says how
-much of the reachable memory speed the kernel uses. Scales and the full-precision tail (1-3% of the bytes) are not read.
+(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu.run_items`), in the kernel's order (keys
+then values of each block, or, where the kernel attends runs of blocks, the keys of a run's blocks then
+their values), one load per 64-byte line, the same software prefetching (the block ``cpu.FAR_BLOCKS``
+ahead, the block after next, into L2, and for rows of 128 bytes or more the next block into L1), no
+arithmetic. Its time is what a kernel with free compute would take on this cache, so ``probe ms / kernel
+ms`` says how much of the reachable memory speed the kernel uses. Scales and the full-precision tail (1-3%
+of the bytes) are not read.
 """
 
 from __future__ import annotations
@@ -29,9 +31,27 @@ __all__ = ["BlockRead", "measure_block_read", "read_items"]
 _U64 = np.uint64
 
 
+@njit(inline="always")
+def _read_rows(p8, p64, rs, idx, far, near, h, kv_heads, bs, acc):  # pragma: no cover
+    """XOR into ``acc`` the first word of every 64-byte line of block ``idx``'s rows of head ``h`` (``rs``
+    bytes each), prefetching block ``far`` (0: none) into L2 and, for rows of 128 bytes or more, ``near`` into
+    L1 line by line, as the kernel's loops do."""
+    n = _U64(bs * rs)
+    base = _U64((idx * kv_heads + h) * bs * rs)
+    fb = _U64((far * kv_heads + h) * bs * rs)
+    nb = _U64((near * kv_heads + h) * bs * rs)
+    for o in range(_U64(0), n, _U64(64)):
+        if far:
+            _prefetch(p8, fb + o)
+        if near and rs >= 128:
+            _prefetch_l1(p8, nb + o)
+        acc ^= p64[(base + o) >> _U64(3)]
+    return acc
+
+
 @njit(nogil=True, cache=True)
 def read_items(
-    t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, far_blocks, out
+    t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, far_blocks, run, out
 ):  # pragma: no cover
     """Thread ``t``'s share of the work items (taken from ``runs`` like the kernel takes them), read like the
     kernel reads them; ``out[it]`` gets the XOR of every 64-bit word read (the first word of each 64-byte
@@ -41,33 +61,29 @@ def read_items(
     ``thread_runs``; k8/v8: the key and value pools as flat uint8, k64/v64 the same bytes as uint64;
     tables: ``[batch, max_blocks]`` int32; seq_lens: ``[batch]`` int32 (prefetches run on to the row's last
     sealed block, as the kernel's do); krow/vrow: payload bytes per row; far_blocks: how far ahead the L2
-    prefetch runs (``cpu.FAR_BLOCKS``, 0 for none); out: ``[n]`` uint64.
+    prefetch runs (``cpu.FAR_BLOCKS``, 0 for none); run: blocks the kernel attends per softmax step (a key
+    spec's ``P_MULTI`` where it takes runs, else 1): the keys of a run's blocks are read, then their values;
+    out: ``[n]`` uint64.
     """
     it = take_item(runs, t)
     while it >= 0:
         b, h, j0, j1 = items[it, 0], items[it, 1], items[it, 2], items[it, 3]
         jp = np.int64(seq_lens[b]) // bs
         acc = _U64(0)
-        for j in range(j0, j1):
-            idx = np.int64(tables[b, j])
-            if idx == 0:  # released: the kernel never reads the null block
-                continue
-            far = np.int64(tables[b, j + far_blocks]) if (far_blocks and j + far_blocks < jp) else np.int64(0)
-            near = np.int64(tables[b, j + 1]) if j + 1 < jp else np.int64(0)
+        j = j0
+        while j < j1:
+            nb = 0  # released blocks (the null block) are never read, and end a run as in the kernel
+            while nb < run and j + nb < j1 and tables[b, j + nb] != 0:
+                nb += 1
             for part in range(2):
                 p8 = k8 if part == 0 else v8
                 p64 = k64 if part == 0 else v64
                 rs = krow if part == 0 else vrow
-                n = _U64(bs * rs)
-                base = _U64((idx * kv_heads + h) * bs * rs)
-                fb = _U64((far * kv_heads + h) * bs * rs)
-                nb = _U64((near * kv_heads + h) * bs * rs)
-                for o in range(_U64(0), n, _U64(64)):
-                    if far:
-                        _prefetch(p8, fb + o)
-                    if near and rs >= 128:
-                        _prefetch_l1(p8, nb + o)
-                    acc ^= p64[(base + o) >> _U64(3)]
+                for jj in range(j, j + nb):
+                    far = np.int64(tables[b, jj + far_blocks]) if (far_blocks and jj + far_blocks < jp) else np.int64(0)
+                    near = np.int64(tables[b, jj + 1]) if jj + 1 < jp else np.int64(0)
+                    acc = _read_rows(p8, p64, rs, np.int64(tables[b, jj]), far, near, h, kv_heads, bs, acc)
+            j += max(nb, 1)
         out[it] = acc
         it = take_item(runs, t)
 
@@ -89,8 +105,11 @@ class BlockRead:
         k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)
+        state = cpu._prepare(kv)  # the kernel's specs: whether it attends runs of blocks, and how long
+        multi = cpu._nb()._multi_eligible(state.kp, state.vp)
+        self.blocks_per_run = int(state.kp[cpu._nb().P_MULTI]) if multi else 1
         self.args = (k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, seq_lens, kv.kv_heads, kv.block_size, krow,
-                     vrow, cpu.FAR_BLOCKS, self.out)  # fmt: skip
+                     vrow, cpu.FAR_BLOCKS, self.blocks_per_run, self.out)  # fmt: skip
         blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))
         self.nbytes = blocks * kv.block_size * (krow + vrow)
 
