@@ -64,6 +64,8 @@ merged with log-sum-exp (:func:`merge`).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from llvmlite import ir
 from numba import literally, njit, types
@@ -790,9 +792,14 @@ def _ir_splat16(lines: list[str], name: str, val: str) -> None:
 
 def _ir_dot(lines: list[str], out: str, acc: str, x: str, y: str, isa: str) -> None:
     """``out = acc + pairwise sums of x * y`` (<32 x i16> operands, <16 x i32> accumulators)."""
-    if isa == "vnni":
+    if isa == "vnni" and _vnni_takes_words():
         lines.append(f"  {out} = call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> {acc}, <32 x i16> {x}, "
                      f"<32 x i16> {y})")  # fmt: skip
+    elif isa == "vnni":  # LLVM before 22 declares the word operands as <16 x i32>: same bits, reinterpreted
+        lines.append(f"  {out}.xw = bitcast <32 x i16> {x} to <16 x i32>")
+        lines.append(f"  {out}.yw = bitcast <32 x i16> {y} to <16 x i32>")
+        lines.append(f"  {out} = call <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32> {acc}, <16 x i32> {out}.xw, "
+                     f"<16 x i32> {out}.yw)")  # fmt: skip
     elif isa == "bw":
         lines.append(f"  {out}.p = call <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16> {x}, <32 x i16> {y})")
         lines.append(f"  {out} = add <16 x i32> {acc}, {out}.p")
@@ -806,11 +813,23 @@ def _ir_dot(lines: list[str], out: str, acc: str, x: str, y: str, isa: str) -> N
         lines.append(f"  {out} = add <16 x i32> {acc}, {out}.s")
 
 
-_IR_DECL = {
-    "vnni": "declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, <32 x i16>, <32 x i16>)\n",
-    "bw": "declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)\n",
-    "generic": "",
-}
+@lru_cache(maxsize=1)
+def _vnni_takes_words() -> bool:
+    """Whether this LLVM declares ``vpdpwssd``'s multiplicands as <32 x i16> (LLVM 22 and later, numba 0.66+) rather
+    than as <16 x i32> (LLVM 20, numba 0.65): the IR must use the signature of the LLVM that compiles it."""
+    from llvmlite import binding as llvm
+
+    return llvm.llvm_version_info[0] >= 22
+
+
+def _ir_decl(isa: str) -> str:
+    """The intrinsic declarations the integer-dot IR of ``isa`` calls."""
+    if isa == "vnni":
+        word = "<32 x i16>" if _vnni_takes_words() else "<16 x i32>"
+        return f"declare <16 x i32> @llvm.x86.avx512.vpdpwssd.512(<16 x i32>, {word}, {word})\n"
+    if isa == "bw":
+        return "declare <16 x i32> @llvm.x86.avx512.pmaddw.d.512(<32 x i16>, <32 x i16>)\n"
+    return ""
 
 
 _IR_PREFETCH = "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)\n"
@@ -930,7 +949,7 @@ def _kdot_ir(name: str, kind: int, isa: str) -> str:
         cur = f"%mxr{step}"
     lines += [f"  %mx4 = shufflevector <16 x float> {cur}, <16 x float> poison, {_ir_mask([0, 4, 8, 12])}",
               "  store <4 x float> %mx4, ptr %mx, align 4", "  ret void", "}"]  # fmt: skip
-    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
+    return "\n".join(lines) + "\n" + _ir_decl(isa) + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
 def value_run(per: int) -> int:
@@ -1021,7 +1040,7 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                           f"  store <16 x float> %s{n}, ptr %p{n}, align 4"]  # fmt: skip
     lines += ["  %ui.next = add i64 %ui, 1", "  %uc.n = mul i64 %ui.next, 2", "  %uc = icmp ult i64 %uc.n, %nu",
               "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
-    return "\n".join(lines) + "\n" + _IR_DECL[isa] + _IR_PREFETCH + _ir_lut_decl(kind, isa)
+    return "\n".join(lines) + "\n" + _ir_decl(isa) + _IR_PREFETCH + _ir_lut_decl(kind, isa)
 
 
 def _vdot_pass(lines: list[str], sfx: str, one: bool, kind: int, isa: str) -> None:
