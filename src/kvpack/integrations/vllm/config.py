@@ -1,0 +1,114 @@
+"""The kvpack settings of a vLLM engine: ``additional_config={"kvpack": {"format": ...}}``, checked at start-up.
+
+Everything vLLM cannot serve with a kvpack format is refused here, before any weight is loaded, with one line that
+says what to change: never a silent fallback to another backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpack.errors import ConfigError, FormatError
+from kvpack.formats import KVFormat, parse_format
+
+__all__ = ["KERNELS", "Settings", "settings_from", "startup_reasons", "tail_pool_bytes"]
+
+KERNELS = ("auto", "cpu", "triton", "reference")
+_KEY = "kvpack"
+_HINT = 'additional_config={"kvpack": {"format": "int4"}} (CLI: --additional-config \'{"kvpack": {"format": "int4"}}\')'
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user chose: the format and the decode kernel (``auto``: the fused kernel of the device)."""
+
+    format: KVFormat
+    kernel: str = "auto"
+
+
+def _raw(vllm_config: Any) -> dict | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(_KEY) if isinstance(extra, dict) else None
+    return raw
+
+
+def settings_from(vllm_config: Any) -> Settings | None:
+    """The kvpack settings of this engine, or None when it does not use kvpack.
+
+    Raises:
+        ConfigError: a malformed ``kvpack`` entry or an unknown format (the message lists the presets).
+    """
+    raw = _raw(vllm_config)
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = {"format": raw}
+    if not isinstance(raw, dict) or not isinstance(raw.get("format"), str):
+        raise ConfigError(f"kvpack: additional_config['kvpack'] must name a format, e.g. {_HINT}; got {raw!r}")
+    unknown = set(raw) - {"format", "kernel"}
+    if unknown:
+        raise ConfigError(
+            f"kvpack: unknown key(s) {sorted(unknown)} in additional_config['kvpack']; keys: format, kernel"
+        )
+    kernel = raw.get("kernel", "auto")
+    if kernel not in KERNELS:
+        raise ConfigError(f"kvpack: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    try:
+        fmt = parse_format(raw["format"])
+    except FormatError as e:
+        raise ConfigError(f"kvpack: {e}") from None
+    return Settings(fmt, kernel)
+
+
+def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seqs: int) -> int:
+    """Bytes of the full-precision tails: one block of K and V per layer for each of ``seqs`` running requests,
+    plus one scratch slot."""
+    es = torch.empty((), dtype=dtype).element_size()
+    return (seqs + 1) * num_layers * 2 * kv_heads * fmt.block_size * head_dim * es
+
+
+def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
+    """Why this engine cannot run ``fmt`` (empty: it can). Each reason says what to change."""
+    reasons = []
+    name = fmt.name or fmt.spec_string()
+    cache = vllm_config.cache_config
+    if str(getattr(cache, "cache_dtype", "auto")) != "auto":
+        reasons.append(
+            f"kv_cache_dtype={cache.cache_dtype!r}: a kvpack format sets the cache's bytes itself; "
+            "leave kv_cache_dtype at 'auto'"
+        )
+    if getattr(cache, "user_specified_block_size", False) and cache.block_size != fmt.block_size:
+        reasons.append(
+            f"block_size={cache.block_size} but format {name} seals blocks of {fmt.block_size}: pass "
+            f"block_size={fmt.block_size} or a format with block={cache.block_size}"
+        )
+    if fmt.is_static:
+        reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")
+    if fmt.key.has_outliers:
+        reasons.append(f"format {name} keeps outlier key channels, which the vLLM backend does not store yet")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        reasons.append(
+            "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "
+            "which the kvpack backend does not do yet; drop speculative_config"
+        )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        reasons.append(
+            "KV transfer/offload connectors move pages the kvpack backend lays out itself; drop kv_transfer_config"
+        )
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        if getattr(model, "use_mla", False):
+            reasons.append("MLA models (latent KV) are not served by the kvpack backend")
+        hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+        window = getattr(hf, "sliding_window", None) if hf is not None else None
+        if window and getattr(hf, "use_sliding_window", True) is not False:
+            reasons.append(
+                f"the model uses sliding-window attention (window {window}), which the kvpack backend does not "
+                "serve in vLLM yet"
+            )
+        if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"model dtype {model.dtype}: the kvpack tails take float16, bfloat16 or float32")
+    return reasons

@@ -1,0 +1,138 @@
+"""Run one vLLM engine in a fresh process and report what it did: outputs, KV capacity, scheduling, time.
+
+vLLM keeps process-wide state (distributed groups, the current platform), so a second engine in one process is
+not clean; each run here is ``python -m kvpack.integrations.vllm.engine`` with a JSON job on stdin and a JSON
+result on stdout. The same driver serves the tests and ``kvpack bench vllm``, and a benchmark's providers each
+get a fresh process.
+
+A job (all keys optional but ``model`` and ``prompts``)::
+
+    {"model": PATH, "format": "int4" | null (vLLM's own cache) , "kv_cache_dtype": "auto" | "fp8",
+     "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
+     "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
+     "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null}
+
+The result: ``outputs`` (generated token ids per prompt), ``cached_tokens`` (prompt tokens served from the prefix
+cache, per prompt), ``num_blocks``, ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``,
+``generated_tokens``, ``tokens_per_s``, ``tails_left`` (kvpack tails still held once drained: after the step that
+tells the workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next
+call; null for vLLM's cache), ``steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+__all__ = ["run_engine"]
+
+
+def run_engine(job: dict[str, Any], timeout: float = 1800, python: str | None = None) -> dict[str, Any]:
+    """Run ``job`` in a fresh Python process (see the module docstring); returns its result.
+
+    Raises:
+        RuntimeError: the engine process failed; the message carries the last lines of its stderr.
+    """
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the job's kv_bytes is the budget
+    proc = subprocess.run(
+        [python or sys.executable, "-m", "kvpack.integrations.vllm.engine"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the vLLM engine process failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1])
+
+
+def _instrument(scheduler, stats: dict[str, int]) -> None:
+    """Count scheduling steps, the most requests running at once, and preemptions."""
+    schedule, preempt = scheduler.schedule, scheduler._preempt_request
+
+    def counted_schedule(*a, **k):
+        out = schedule(*a, **k)
+        stats["steps"] += 1
+        stats["max_running"] = max(stats["max_running"], len(scheduler.running))
+        return out
+
+    def counted_preempt(*a, **k):
+        stats["preemptions"] += 1
+        return preempt(*a, **k)
+
+    scheduler.schedule = counted_schedule
+    scheduler._preempt_request = counted_preempt
+
+
+def _main() -> None:
+    job = json.loads(sys.stdin.read())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its state is readable
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if job.get("threads"):
+        os.environ["OMP_NUM_THREADS"] = str(job["threads"])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = dict(
+        enforce_eager=True,
+        dtype=job.get("dtype", "float32"),
+        max_model_len=job.get("max_model_len", 2048),
+        max_num_seqs=job.get("max_num_seqs", 16),
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
+        enable_prefix_caching=job.get("enable_prefix_caching", True),
+        kv_cache_memory_bytes=int(job.get("kv_bytes", 256 * 2**20)),
+        block_size=job.get("block_size", 64),
+        seed=job.get("seed", 0),
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
+    )
+    if job.get("format"):
+        kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
+    llm = LLM(job["model"], **kw)
+    core = llm.llm_engine.engine_core.engine_core
+    stats = {"steps": 0, "max_running": 0, "preemptions": 0}
+    _instrument(core.scheduler, stats)
+    num_blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    sp = SamplingParams(
+        temperature=job.get("temperature", 0.0), max_tokens=job.get("max_tokens", 64), seed=job.get("seed", 0),
+        ignore_eos=job.get("ignore_eos", True),
+    )  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    while core.scheduler.has_requests():  # the step that tells the workers which requests finished
+        llm.llm_engine.step()
+    tails_left = None
+    if job.get("format"):
+        from kvpack.integrations.vllm.hooks import live_tables
+
+        tails_left = sum(t.num_allocated for t in live_tables())
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        "num_blocks": num_blocks,
+        "kv_capacity_tokens": num_blocks * kw["block_size"],
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / wall if wall > 0 else 0.0,
+        "tails_left": tails_left,
+        **stats,
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's teardown: nothing is left to flush, and it can hang on exit
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,206 @@
+"""One attention layer over kvpack blocks in vLLM pages, without vLLM: writes, seals, attends.
+
+:class:`PagedLayer` is what the vLLM impl calls each step (and what the tests drive with a simulated scheduler).
+Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
+
+1. seals the blocks this step fills: their tail rows and new tokens quantized with :func:`kvpack.quant.quantize`
+   into the block's page (block-local scales, computed once; the page never changes again);
+2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
+3. attends: decode rows (one query) through :func:`kvpack.kernels.decode_attention`, which reads the packed pages
+   in place; rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
+   :func:`kvpack.kernels.reference.paged_attention_reference`, which dequantizes that request's history: the
+   slow path, until the fused multi-query kernel exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpack.formats import KVFormat
+from kvpack.integrations.vllm.layout import PageLayout
+from kvpack.integrations.vllm.tails import StepPlan
+from kvpack.kernels import decode_attention
+from kvpack.kernels.reference import paged_attention_reference
+from kvpack.kernels.views import PagedKV
+from kvpack.quant import _raise_non_finite, quantize
+from kvpack.rotation import key_rotation, rotate
+
+__all__ = ["PagedLayer", "StepTensors"]
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The step's request table as tensors (``R`` requests), shared by the layers.
+
+    Attributes:
+        block_table: ``[R, W]`` int32 block ids.
+        seq_lens: ``[R]`` int32 tokens per request after the step.
+        tail_slot: ``[R]`` int64 each request's tail slot (:attr:`StepPlan.tail_slot`).
+        decode_rows: ``[Rd]`` int64 requests with one query; decode_tokens: ``[Rd]`` int64 their query's token.
+        prefill_rows: requests with several queries (numpy int64).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    tail_slot: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_tokens: torch.Tensor
+    prefill_rows: np.ndarray
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, block_table: torch.Tensor) -> StepTensors:
+        ql = plan.query_lens
+        decode = np.nonzero(ql == 1)[0]
+        return cls(
+            block_table=block_table.to(torch.int32),
+            seq_lens=torch.from_numpy(plan.seq_lens.astype(np.int32)),
+            tail_slot=torch.from_numpy(plan.tail_slot),
+            decode_rows=torch.from_numpy(decode),
+            decode_tokens=torch.from_numpy(plan.query_start[decode]),
+            prefill_rows=np.nonzero(ql > 1)[0],
+        )
+
+
+class PagedLayer:
+    """One layer's kvpack state around vLLM's pages: the tails of ``capacity`` open blocks (+ one scratch).
+
+    Args:
+        fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
+        dtype: the model's activation dtype (tails and queries); device: where the pages live.
+    """
+
+    def __init__(
+        self, fmt: KVFormat, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.format = fmt
+        self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        shape = (capacity + 1, kv_heads, fmt.block_size, head_dim)
+        self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rotation = key_rotation(head_dim).to(device) if fmt.key.rotate else None
+        self._pools: dict[str, torch.Tensor] | None = None
+        self._pools_key: tuple | None = None
+
+    def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(0))
+        if self._pools is None or self._pools_key != key:
+            self._pools = self.layout.views(kv_cache)
+            self._pools_key = key
+        return self._pools
+
+    # -- writes -----------------------------------------------------------------------------------------
+
+    def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self.format.block_size
+        blocks_k, blocks_v = [], []
+        for slot, s, tok in zip(plan.seal_slot.tolist(), plan.seal_from.tolist(), plan.seal_tok.tolist()):
+            new_k = k[tok : tok + b - s].transpose(0, 1)  # [H, B - s, D]
+            new_v = v[tok : tok + b - s].transpose(0, 1)
+            if s:
+                new_k = torch.cat([self.tail_k[slot, :, :s], new_k], dim=1)
+                new_v = torch.cat([self.tail_v[slot, :, :s], new_v], dim=1)
+            blocks_k.append(new_k)
+            blocks_v.append(new_v)
+        ids = torch.from_numpy(plan.seal_block).to(k.device)
+        quantized = []
+        for spec, blocks in ((self.format.key, blocks_k), (self.format.value, blocks_v)):
+            x = torch.stack(blocks)  # [K, H, B, D]
+            if not torch.isfinite(x).all():
+                _raise_non_finite(x)  # NonFiniteError naming block, head and position; nothing written
+            quantized.append(quantize(x, spec))
+        for prefix, qt in zip(("k", "v"), quantized):
+            for part, t in (("data", qt.data), ("scale", qt.scale), ("zero", qt.zero)):
+                if t is not None:
+                    pools[f"{prefix}_{part}_bytes"][ids] = t.contiguous().view(torch.uint8).reshape(len(ids), -1)
+
+    def write(self, kv_cache: torch.Tensor, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the step's new keys and values.
+
+        Args:
+            kv_cache: this layer's pages (see :meth:`PageLayout.views`).
+            plan: the step's plan. key, value: ``[N, H, D]`` the step's tokens (natural keys; rotated here when
+                the format stores them rotated), any float dtype.
+        """
+        pools = self.pools(kv_cache)
+        k = key.to(self.dtype)
+        v = value.to(self.dtype)
+        if self.rotation is not None:
+            k = rotate(k, self.rotation)
+        if plan.seal_block.size:
+            self._seal(pools, plan, k, v)  # first: a sealed block's tail slot may be handed out again this step
+        if plan.write_tok.size:
+            tok, slot, off = (
+                torch.from_numpy(x).to(k.device) for x in (plan.write_tok, plan.write_slot, plan.write_off)
+            )
+            self.tail_k[slot, :, off] = k[tok]
+            self.tail_v[slot, :, off] = v[tok]
+        if plan.sink_tok.size:
+            tok, blk, pos = (torch.from_numpy(x).to(k.device) for x in (plan.sink_tok, plan.sink_block, plan.sink_pos))
+            pools["sink_k"][blk, :, pos] = k[tok].to(pools["sink_k"].dtype)
+            pools["sink_v"][blk, :, pos] = v[tok].to(pools["sink_v"].dtype)
+
+    # -- reads ------------------------------------------------------------------------------------------
+
+    def view(self, kv_cache: torch.Tensor, st: StepTensors, rows: torch.Tensor | None = None) -> PagedKV:
+        """The :class:`PagedKV` of requests ``rows`` (None: all) over the pages; tails gathered by slot
+        (``[r, H, B, D]``, a copy of one block per request), sink rows from each request's first page."""
+        slots, tables, lens = st.tail_slot, st.block_table, st.seq_lens
+        if rows is not None:
+            slots, tables, lens = slots[rows], tables[rows], lens[rows]
+        pools = self.pools(kv_cache)
+        tail_k, tail_v = self.tail_k[slots], self.tail_v[slots]
+        sink_k = sink_v = None
+        if self.format.sink:
+            first = tables[:, 0].long()
+            sink_k = pools["sink_k"][first].to(self.dtype)
+            sink_v = pools["sink_v"][first].to(self.dtype)
+        return PagedKV(
+            format=self.format,
+            head_dim=self.head_dim,
+            k_data=pools["k_data"],
+            k_scale=pools.get("k_scale"),
+            k_zero=pools.get("k_zero"),
+            v_data=pools["v_data"],
+            v_scale=pools.get("v_scale"),
+            v_zero=pools.get("v_zero"),
+            block_tables=tables.contiguous(),
+            seq_lens=lens.contiguous(),
+            tail_k=tail_k,
+            tail_v=tail_v,
+            key_rotation=self.rotation,
+            sink_k=sink_k,
+            sink_v=sink_v,
+        )
+
+    def attend(
+        self,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+        st: StepTensors,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        sm_scale: float,
+        kernel: str = "auto",
+    ) -> None:
+        """Causal attention of the step's queries over each request's stored history (the step's own tokens
+        included: call :meth:`write` first).
+
+        Args:
+            query: ``[N, Hq, D]``; out: ``[N, Hq, D]`` written in place; kernel: the decode backend
+                (``auto``, ``cpu``, ``triton``, ``reference``).
+        """
+        if st.decode_rows.numel():
+            rows = None if st.decode_rows.numel() == st.seq_lens.shape[0] else st.decode_rows
+            kv = self.view(kv_cache, st, rows)
+            res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
+            out[st.decode_tokens] = res.to(out.dtype)
+        for i in st.prefill_rows.tolist():
+            a, e = int(plan.query_start[i]), int(plan.query_start[i + 1])
+            kv = self.view(kv_cache, st, torch.tensor([i]))
+            res = paged_attention_reference(query[a:e].unsqueeze(0), kv, sm_scale=sm_scale)
+            out[a:e] = res[0].to(out.dtype)

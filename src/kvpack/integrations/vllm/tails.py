@@ -1,0 +1,224 @@
+"""The open blocks of running requests: full-precision tails in a fixed pool, and each step's write plan.
+
+vLLM writes a request's tokens into slots of its last block one step at a time, and only the backend knows that
+a kvpack block can be quantized only once it is full. So a block that is not full yet (the *open* block, at most
+one per running request) keeps its tokens in a full-precision tail; the step that writes its last slot seals it
+into its page, and the tail is released. The tails live in a pool of ``capacity`` slots (``max_num_seqs``, since
+each running request has at most one open block) plus one scratch slot, and :class:`TailTable` maps a block id
+to the slot holding its tail.
+
+A tail is released when its block seals, when its block id starts over at slot 0 (vLLM handed the block to a new
+owner), or when the request that owns it finishes or is preempted (:meth:`TailTable.release_blocks`, called
+from the model runner's state update, see :mod:`kvpack.integrations.vllm.hooks`). So a drained engine holds no
+tail, whatever its requests did.
+
+Everything here is numpy over the step's request table; no vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpack.errors import KVPackError, PoolExhaustedError
+
+__all__ = ["StepPlan", "TailError", "TailTable"]
+
+
+class TailError(KVPackError):
+    """A write vLLM scheduled cannot be served without corrupting a sealed block."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step writes, for every layer alike (``R`` requests, ``N`` tokens in the step).
+
+    Attributes:
+        tail_slot: ``[R]`` int64: the tail slot each request's attention reads (the scratch slot when its last
+            block is full after the step: then no tail position is read).
+        write_tok, write_slot, write_off: ``[M]`` int64: token ``write_tok`` (index into the step's tokens) goes
+            to tail slot ``write_slot`` at offset ``write_off``.
+        seal_block: ``[K]`` int64: block ids sealed by this step.
+        seal_slot: ``[K]`` int64: the tail slot holding the block's first ``seal_from`` tokens (-1: none).
+        seal_from: ``[K]`` int64: tokens of the block already in its tail; the rest are new.
+        seal_tok: ``[K]`` int64: index of the block's first new token in the step's tokens.
+        sink_tok, sink_block, sink_pos: ``[Q]`` int64: token ``sink_tok`` is position ``sink_pos < S`` of the
+            sequence whose first block is ``sink_block``: its rows go to that page's sink region too.
+        causal_start: ``[R]`` int64: position of each request's first token in this step.
+        query_lens, seq_lens: ``[R]`` int64.
+        query_start: ``[R + 1]`` int64: token offsets of the requests in the step.
+    """
+
+    tail_slot: np.ndarray
+    write_tok: np.ndarray
+    write_slot: np.ndarray
+    write_off: np.ndarray
+    seal_block: np.ndarray
+    seal_slot: np.ndarray
+    seal_from: np.ndarray
+    seal_tok: np.ndarray
+    sink_tok: np.ndarray
+    sink_block: np.ndarray
+    sink_pos: np.ndarray
+    causal_start: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    query_start: np.ndarray
+
+
+def _i64(x: list[int]) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64)
+
+
+class TailTable:
+    """Block id -> tail slot, for ``capacity`` open blocks (slot ``capacity`` is scratch, never handed out)."""
+
+    def __init__(self, num_blocks: int, capacity: int, block_size: int, sink: int = 0) -> None:
+        if capacity < 1 or num_blocks < 1:
+            raise ValueError(f"need at least one block and one tail slot, got {num_blocks} / {capacity}")
+        self.block_size = block_size
+        self.sink = sink
+        self.capacity = capacity
+        self.slot_of_block = np.full(num_blocks, -1, dtype=np.int64)
+        self.block_of_slot = np.full(capacity, -1, dtype=np.int64)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    @property
+    def num_allocated(self) -> int:
+        """Tails held now (zero once the engine has drained)."""
+        return self.capacity - len(self._free)
+
+    def ensure_blocks(self, num_blocks: int) -> None:
+        """Grow the block map to ``num_blocks`` ids (vLLM sizes its pool after the builders exist)."""
+        have = self.slot_of_block.shape[0]
+        if num_blocks > have:
+            grown = np.full(num_blocks, -1, dtype=np.int64)
+            grown[:have] = self.slot_of_block
+            self.slot_of_block = grown
+
+    def release_blocks(self, block_ids) -> int:
+        """Release the tails of these blocks (a finished or preempted request's blocks); returns how many."""
+        n = 0
+        for bid in block_ids:
+            bid = int(bid)
+            if 0 <= bid < self.slot_of_block.shape[0] and self.slot_of_block[bid] >= 0:
+                self._release(bid)
+                n += 1
+        return n
+
+    def _release(self, bid: int) -> None:
+        slot = int(self.slot_of_block[bid])
+        self.slot_of_block[bid] = -1
+        self.block_of_slot[slot] = -1
+        self._free.append(slot)
+
+    def plan(self, query_start: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepPlan:
+        """Plan one step's writes and update the table (all or nothing: an error changes nothing).
+
+        Args:
+            query_start: ``[R + 1]`` token offsets of the requests in the step (vLLM's ``query_start_loc``).
+            seq_lens: ``[R]`` tokens per request after the step.
+            block_table: ``[R, W]`` block ids of each request, in order.
+
+        Raises:
+            TailError: a request writes into the middle of a block that has no tail (a sealed block).
+            PoolExhaustedError: more open blocks than tail slots (more running requests than ``max_num_seqs``).
+        """
+        b, cap = self.block_size, self.capacity
+        qs = np.asarray(query_start, dtype=np.int64)
+        sl = np.asarray(seq_lens, dtype=np.int64)
+        r = sl.shape[0]
+        ql = qs[1 : r + 1] - qs[:r]
+        start = sl - ql
+        tail_slot = np.full(r, cap, dtype=np.int64)
+        w_tok: list[int] = []
+        w_req: list[int] = []
+        w_off: list[int] = []
+        s_blk: list[int] = []
+        s_slot: list[int] = []
+        s_from: list[int] = []
+        s_tok: list[int] = []
+        k_tok: list[int] = []
+        k_blk: list[int] = []
+        k_pos: list[int] = []
+        stale: list[int] = []
+        opened: list[tuple[int, int]] = []  # (request, block id) needing a new slot
+        kept: list[tuple[int, int]] = []  # (request, block id) keeping its slot
+        for i in range(r):
+            c, n, q0 = int(start[i]), int(sl[i]), int(qs[i])
+            if n <= c:
+                continue
+            for j in range(c // b, (n - 1) // b + 1):
+                bid = int(block_table[i, j])
+                if bid == 0:  # vLLM's null block (dummy and padded rows): never stored, never read
+                    continue
+                s = c - j * b if j == c // b else 0
+                e = min(n - j * b, b)
+                tok0 = q0 + j * b + s - c
+                have = int(self.slot_of_block[bid])
+                if s > 0 and have < 0:
+                    raise TailError(
+                        f"a request writes position {j * b + s} into block {bid}, which holds {s} tokens and no "
+                        "tail: the block is sealed (quantized), and writing into it would corrupt it. This comes "
+                        "from a partial prefix-cache hit or a KV transfer that the kvpack backend refuses; "
+                        "disable it (see docs/vllm.md)"
+                    )
+                if s == 0 and have >= 0:
+                    stale.append(bid)  # the block id starts over: its old tail is garbage
+                if e == b:
+                    s_blk.append(bid)
+                    s_slot.append(have if s > 0 else -1)
+                    s_from.append(s)
+                    s_tok.append(tok0)
+                else:
+                    (kept if s > 0 else opened).append((i, bid))
+                    w_tok += range(tok0, tok0 + e - s)
+                    w_off += range(s, e)
+                    w_req += [i] * (e - s)  # the request's slot is known once the commit has run
+            if self.sink and c < self.sink:
+                for p in range(c, min(n, self.sink)):
+                    k_tok.append(q0 + p - c)
+                    k_blk.append(int(block_table[i, 0]))
+                    k_pos.append(p)
+        sealed_with_tail = [bid for bid, slot in zip(s_blk, s_slot) if slot >= 0]
+        free_after = len(self._free) + len(set(stale)) + len(sealed_with_tail)
+        if len(opened) > free_after:
+            raise PoolExhaustedError(
+                f"this step opens {len(opened)} new block(s) but only {free_after} of {cap} tail slots are free: "
+                "more running requests than the backend was sized for; keep --max-num-seqs at the value the engine "
+                "started with"
+            )
+        # -- commit: releases first (a sealing block's tail is read before any write of this step lands) ---
+        for bid in dict.fromkeys(stale):
+            self._release(bid)
+        for bid in sealed_with_tail:
+            self._release(bid)
+        for i, bid in kept:
+            tail_slot[i] = self.slot_of_block[bid]
+        for i, bid in opened:
+            slot = self._free.pop()
+            self.slot_of_block[bid] = slot
+            self.block_of_slot[slot] = bid
+            tail_slot[i] = slot
+        return StepPlan(
+            tail_slot=tail_slot,
+            write_tok=_i64(w_tok),
+            write_slot=tail_slot[_i64(w_req)],
+            write_off=_i64(w_off),
+            seal_block=_i64(s_blk),
+            seal_slot=_i64(s_slot),
+            seal_from=_i64(s_from),
+            seal_tok=_i64(s_tok),
+            sink_tok=_i64(k_tok),
+            sink_block=_i64(k_blk),
+            sink_pos=_i64(k_pos),
+            causal_start=start,
+            query_lens=ql,
+            seq_lens=sl,
+            query_start=qs,
+        )
