@@ -11,6 +11,7 @@ manifest implies, with finite values in the ranges statistics and scales can tak
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -61,7 +62,7 @@ def _check_percentiles(d: Path, pct: Any) -> list[float]:
         raise _bad(d, "percentiles", f"must be a list of numbers, got {pct!r}")
     if any(not 0 < p < 100 for p in pct):
         raise _bad(d, "percentiles", f"must lie strictly between 0 and 100, got {pct!r}")
-    if any(a >= b for a, b in zip(pct, pct[1:])):
+    if any(a >= b for a, b in itertools.pairwise(pct)):
         raise _bad(d, "percentiles", f"must be strictly ascending (the order of the stacked tensor), got {pct!r}")
     return [float(p) for p in pct]
 
