@@ -26,6 +26,7 @@ __all__ = ["check_manifest", "check_tensors", "tensor_file"]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _SHAPE_FIELDS = ("num_layers", "kv_heads", "attention_heads", "head_dim", "hidden_size")
+_REQUIRED = ("num_layers", "kv_heads", "head_dim")
 STATS = ("absmax", "min", "max", "rms", "pair_absmax")
 
 
@@ -44,17 +45,17 @@ def _is_num(x: Any) -> bool:
 
 
 def _check_fingerprint(d: Path, fp: Any) -> None:
+    """The shape fields are required; the others (a full fingerprint has them all) are type-checked."""
     if not isinstance(fp, dict):
         raise _bad(d, "fingerprint", f"must be an object, got {type(fp).__name__}")
     for name in _SHAPE_FIELDS:
-        if not _is_int(fp.get(name)) or fp[name] <= 0:
+        if (name in _REQUIRED or name in fp) and (not _is_int(fp.get(name)) or fp[name] <= 0):
             raise _bad(d, f"fingerprint.{name}", f"must be a positive integer, got {fp.get(name)!r}")
-    if not _is_int(fp.get("vocab_size")) or fp["vocab_size"] < 0:
-        raise _bad(d, "fingerprint.vocab_size", f"must be a non-negative integer, got {fp.get('vocab_size')!r}")
-    if not isinstance(fp.get("architecture"), str):
-        raise _bad(d, "fingerprint.architecture", f"must be a string, got {fp.get('architecture')!r}")
-    if not isinstance(fp.get("rope"), dict):
-        raise _bad(d, "fingerprint.rope", f"must be an object, got {fp.get('rope')!r}")
+    if "vocab_size" in fp and (not _is_int(fp["vocab_size"]) or fp["vocab_size"] < 0):
+        raise _bad(d, "fingerprint.vocab_size", f"must be a non-negative integer, got {fp['vocab_size']!r}")
+    for name, kind in (("architecture", str), ("rope", dict)):
+        if name in fp and not isinstance(fp[name], kind):
+            raise _bad(d, f"fingerprint.{name}", f"must be a {kind.__name__}, got {fp[name]!r}")
 
 
 def _check_percentiles(d: Path, pct: Any) -> list[float]:

@@ -143,7 +143,7 @@ def _readme(artifact: Artifact, n_layers: int, reasons: list[str], source: str) 
     lines = [
         "# fp8 KV-cache scales exported by kvpack",
         "",
-        f"Model: {fp['architecture']}, {fp['num_layers']} layers, {fp['kv_heads']} kv heads, head_dim "
+        f"Model: {fp.get('architecture', 'unknown')}, {fp['num_layers']} layers, {fp['kv_heads']} kv heads, head_dim "
         f"{fp['head_dim']}. Calibration: {artifact.data.get('samples')} x {artifact.data.get('seq_len')} tokens of "
         f"{artifact.data.get('name')}; range source {source}.",
         "",
