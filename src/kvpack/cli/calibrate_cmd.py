@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from kvpack.formats import parse_format
 
     extra = [float(p) for p in (args.percentile or [])]
+    if any(p >= 100 for p in extra):
+        raise ConfigError(f"--percentile must be below 100 (100 is the abs-max: use --range absmax), got {extra}")
     fmt = parse_format(args.format or DEFAULT_FORMAT)  # a bad format fails before the model loads
     source = args.source or (f"p{extra[0]:g}" if extra else default_source(fmt))
     if source not in ("absmax", "rope"):
         parse_source(source)
-    if any(p >= 100 for p in extra):
-        raise ConfigError(f"--percentile must be below 100 (100 is the abs-max: use --range absmax), got {extra}")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -64,8 +64,8 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.prompt.strip() and (args.raw or not args.prompt):
-        raise ConfigError("--prompt is empty; give the text to continue (with --raw, at least one token)")
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty; give the text to continue")
     import torch
 
     from kvpack.formats import parse_format

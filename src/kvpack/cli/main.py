@@ -54,7 +54,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser, mods = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a refused argument (status 2), --help or --version (0): a status, not an exit
+        return e.code if isinstance(e.code, int) else 2
     if not args.command:
         parser.print_help()
         return 2
