@@ -278,18 +278,33 @@ def test_non_finite_at_seal_names_layer_head_position(busy_cache, what):
     assert cache.seq_len(1, 1) == 17
 
 
-def test_non_finite_waits_in_the_tail_until_seal():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_is_refused_at_append_and_the_tail_stays_as_it_was(bad):
     cache = PagedKVCache(parse_format("int4").with_block_size(8), 1, H, D, 4)
     sid = cache.add_sequence()
+    cache.append(0, [sid], torch.randn(1, H, 2, D), torch.randn(1, H, 2, D))
+    before = snapshot(cache)
     x = torch.randn(1, H, 3, D)
-    x[0, 0, 2, 0] = float("inf")
-    cache.append(0, [sid], x, torch.randn(1, H, 3, D))  # stays in the tail: not checked yet
-    with pytest.raises(NonFiniteError, match="head 0, position 2"):
-        cache.append(0, [sid], torch.randn(1, H, 5, D), torch.randn(1, H, 5, D))
-    assert cache.seq_len(sid) == 3
-    cache.crop(sid, 2)  # roll the bad token back, then the block seals
-    cache.append(0, [sid], torch.randn(1, H, 6, D), torch.randn(1, H, 6, D))
-    assert cache.seq_len(sid) == 8 and cache.pool.num_used == 1
+    x[0, 0, 2, 0] = bad
+    with pytest.raises(NonFiniteError, match="non-finite key at layer 0, sequence 0, head 0, position 4") as e:
+        cache.append(0, [sid], x, torch.randn(1, H, 3, D))  # stays in the tail: still refused
+    assert e.value.where[0] == {"layer": 0, "sequence": sid, "head": 0, "position": 4}
+    assert_same(before, snapshot(cache))
+    assert cache.seq_len(sid) == 2
+
+
+def test_a_finite_value_that_overflows_the_tail_dtype_is_refused_as_an_overflow():
+    cache = PagedKVCache(parse_format("int8").with_block_size(8), 1, H, D, 4, tail_dtype=torch.float16)
+    sid = cache.add_sequence()
+    before = snapshot(cache)
+    v = torch.randn(1, H, 1, D)
+    v[0, 1, 0, 3] = 1e6  # finite in float32, inf in float16
+    with pytest.raises(NonFiniteError, match="value at layer 0, sequence 0, head 1, position 0 overflows") as e:
+        cache.append(0, [sid], torch.randn(1, H, 1, D), v)
+    assert "tail_dtype" in str(e.value) and "produced NaN" not in str(e.value)
+    assert_same(before, snapshot(cache))
+    cache.append(0, [sid], torch.randn(1, H, 1, D), v.clamp(-6e4, 6e4))  # in range: stored
+    assert cache.seq_len(sid) == 1
 
 
 def test_pool_exhausted_before_anything_changes(busy_cache):

@@ -375,6 +375,10 @@ class QuantSpec:
         return ":".join(parts)
 
 
+# Largest block (and tail) size: a tail of one block per sequence and layer is kept in full precision.
+MAX_BLOCK_SIZE = 4096
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """A key spec, a value spec and the block size (the tail holds one block).
@@ -392,8 +396,11 @@ class KVFormat:
     sink: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise FormatError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.block_size, int) or not 0 < self.block_size <= MAX_BLOCK_SIZE:
+            raise FormatError(
+                f"block_size must be a positive integer, at most {MAX_BLOCK_SIZE} (the tail holds one block per sequence "
+                f"and layer in full precision; 16 to 256 is usual), got {self.block_size!r}"
+            )
         if not isinstance(self.sink, int) or isinstance(self.sink, bool) or not 0 <= self.sink <= self.block_size:
             raise FormatError(
                 f"sink must be an integer in [0, block_size={self.block_size}] (positions kept in full precision "
@@ -703,6 +710,8 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
                     "move it to the k= spec (with kv=, give k= and v= separately)"
                 )
             outliers = int(re.sub(r"[^0-9]", "", p))
+            if outliers <= 0:
+                raise FormatError(f"{p!r} in the {role} spec {text!r}: o<N> keeps N > 0 channels; drop it for none")
         elif group:
             gran = PerGroup(int(group.group(1)))
         elif p in _GRAN_NAMES:
@@ -725,7 +734,12 @@ def parse_format(text: str | KVFormat) -> KVFormat:
     if not isinstance(text, str) or not text.strip():
         raise FormatError(f"empty format; {_help()}")
     if text.strip().lower().endswith(STATIC_SUFFIX):  # a format with calibrated scales where it can take them
-        return parse_format(text.strip()[: -len(STATIC_SUFFIX)]).as_static()
+        rest = text.strip()[: -len(STATIC_SUFFIX)]
+        if "@" in rest:
+            raise FormatError(f"{text!r}: '@static' is a suffix given once, at the end (e.g. 'fp8@static')")
+        return parse_format(rest).as_static()
+    if "@" in text:
+        raise FormatError(f"{text!r}: the only '@' suffix is '@static', at the end (e.g. 'fp8@static')")
     fields = [f.strip() for f in text.strip().split(",") if f.strip()]
     base: KVFormat | None = None
     key = value = None
@@ -753,8 +767,10 @@ def parse_format(text: str | KVFormat) -> KVFormat:
         elif name == "kv":
             key, value = _parse_spec(arg, "key"), _parse_spec(arg, "value")
         elif name in ("block", "block_size"):
-            if not re.fullmatch(r"[0-9]+", arg.strip()) or int(arg) <= 0:
-                raise FormatError(f"block must be a positive integer, got {arg!r}")
+            if not re.fullmatch(r"[0-9]+", arg.strip()) or not 0 < int(arg) <= MAX_BLOCK_SIZE:
+                raise FormatError(
+                    f"block must be a positive integer, at most {MAX_BLOCK_SIZE} (16 to 256 is usual), got {arg!r}"
+                )
             block = int(arg)
         elif name == "sink":
             if not re.fullmatch(r"[0-9]+", arg.strip()):

@@ -81,6 +81,42 @@ KNOWN_MODELS: dict[str, ModelShape] = {
 }
 
 
+# Sizes a config may give; each, when present and not null, must be a positive integer.
+CONFIG_SIZE_FIELDS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "hidden_size",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "num_layers",
+)
+
+
+def check_config_sizes(cfg: Any, where: str = "config") -> None:
+    """Refuse a config (a ``config.json`` dict or a config object) whose size fields are not positive integers
+    (``"abc"``, ``0``, ``-1``, ``2.5``, ``true``), naming the field: a bad size would otherwise be replaced by a
+    default or fail deep inside a model loader.
+
+    Raises:
+        ConfigError: the first bad field.
+    """
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        check_config_sizes(cfg["text_config"], f"{where} (text_config)")
+    for name in CONFIG_SIZE_FIELDS:
+        v = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{where}: {name} must be a positive integer, got {v!r}; fix the model's config.json")
+
+
 def _get(cfg: dict[str, Any], *names: str) -> Any:
     for n in names:
         if cfg.get(n) is not None:
@@ -115,9 +151,10 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
     """Read layers, kv_heads, head_dim (and an estimated parameter count) from a config dict."""
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the decoder here
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "tie_word_embeddings"}}
+    check_config_sizes(cfg, name)
     layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
     heads = _get(cfg, "num_attention_heads", "n_head")
-    kv_heads = _get(cfg, "num_key_value_heads", "num_kv_heads") or heads
+    kv_heads = _get(cfg, "num_key_value_heads", "num_kv_heads") or heads  # null or absent: one per query head
     hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
     head_dim = _get(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
     missing = [

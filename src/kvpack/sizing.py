@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from kvpack.errors import ConfigError, FormatError
@@ -34,6 +35,7 @@ WEIGHT_BYTES_PER_PARAM = 2  # fp16 / bf16 weights
 SMALL_CACHE_SHARE = 0.15  # below this share of weights + cache, quantizing the cache buys little
 TAIL_ELEMENT_BYTES = 2  # the tail is kept in fp16 / bf16
 
+MAX_COUNT = 2**40  # no cache holds more tokens (or sequences): larger counts are typos
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE)
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 
@@ -42,7 +44,7 @@ def parse_count(text: str | int, what: str = "value") -> int:
     """Parse a positive token or sequence count: ``8192``, ``8k``, ``128K``, ``1m``, ``1.5k`` (k = 1024).
 
     Raises:
-        ConfigError: not a number, not a whole count, or not positive.
+        ConfigError: not a number, not a whole count, not positive, or above :data:`MAX_COUNT`.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         n = text
@@ -50,12 +52,14 @@ def parse_count(text: str | int, what: str = "value") -> int:
         m = _COUNT.match(str(text))
         if not m:
             raise ConfigError(f"{what} must be a positive count like 8192, 8k or 1m (k = 1024), got {text!r}")
-        value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-        if value != int(value):
-            raise ConfigError(f"{what} {text!r} is not a whole number ({value:g})")
+        value = Fraction(m.group(1)) * _SUFFIX[m.group(2).lower()]  # exact: no float rounding of big counts
+        if value.denominator != 1:
+            raise ConfigError(f"{what} {text!r} is not a whole number ({float(value):g})")
         n = int(value)
     if n <= 0:
         raise ConfigError(f"{what} must be positive, got {text!r}")
+    if n > MAX_COUNT:
+        raise ConfigError(f"{what} {text!r} is beyond any cache ({n} > 2**40 = {MAX_COUNT}); give a real count")
     return n
 
 

@@ -28,7 +28,6 @@ fresh pool, each prompt prefilled in one go, as :class:`kvpack.cache.PagedKVCach
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import statistics
 from collections.abc import Callable, Sequence
@@ -392,13 +391,7 @@ def format_table(rows: list[dict[str, Any]], bandwidth_gbps: float) -> str:
 
 
 def parse_tokens(text: str) -> int:
-    """``"8k"`` -> 8192, ``"32768"`` -> 32768."""
-    t = text.strip().lower()
-    mult = 1024 if t.endswith("k") else 1
-    try:
-        value = int(float(t[:-1] if t.endswith("k") else t) * mult)
-    except ValueError:
-        raise ConfigError(f"not a token count: {text!r} (use e.g. 8192 or 8k)") from None
-    if value < 1 or not math.isfinite(value):
-        raise ConfigError(f"token counts must be positive, got {text!r}")
-    return value
+    """``"8k"`` -> 8192, ``"32768"`` -> 32768 (:func:`kvpack.sizing.parse_count`: exact, positive, bounded)."""
+    from kvpack.sizing import parse_count
+
+    return parse_count(text, "a context length")

@@ -67,6 +67,8 @@ def _check_role(
     s = decode_scale(sc.scale, spec.scale_dtype)
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise CalibrationError(f"{role} static scales hold zero, negative or non-finite values; recalibrate")
+    if spec.has_zero and not bool(torch.isfinite(decode_scale(sc.zero, spec.zero_dtype)).all()):
+        raise CalibrationError(f"{role} static zero-points hold non-finite values; recalibrate")
     zero = None if sc.zero is None or not spec.has_zero else sc.zero.to(device)
     return dataclasses.replace(sc, scale=sc.scale.to(device), zero=zero)
 

@@ -214,6 +214,34 @@ def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b
         ) from None
 
 
+def _raise_non_finite_append(cache: PagedKVCache, layer: int, rows: _Rows, n_old: np.ndarray, *pairs) -> None:
+    """The :class:`NonFiniteError` of an append whose keys or values (``(given, as stored)`` pairs, each
+    ``[batch, H, T, D]``) are not finite once in the tail dtype; names the first place and the cause."""
+    for what, (given, stored) in zip(("key", "value"), pairs):
+        bad = (~torch.isfinite(stored)).nonzero()
+        if not len(bad):
+            continue
+        where = [
+            {"layer": layer, "sequence": rows.seqs[int(i)].sid, "head": int(h), "position": int(n_old[int(i)]) + int(t)}
+            for i, h, t, _ in bad.tolist()
+        ]
+        first = where[0]
+        at = f"layer {layer}, sequence {first['sequence']}, head {first['head']}, position {first['position']}"
+        if bool(torch.isfinite(given).all()):
+            top = float(given.abs().max())
+            raise NonFiniteError(
+                f"{what} at {at} overflows the cache's {str(cache.tail_dtype).replace('torch.', '')} tail (largest "
+                f"magnitude {top:.4g}); nothing was stored. Create the cache with tail_dtype=torch.float32 or "
+                "torch.bfloat16, or scale the inputs down",
+                where,
+            )
+        raise NonFiniteError(
+            f"non-finite {what} at {at} (NaN or inf in the appended tokens); nothing was stored. The model produced "
+            "NaN/inf; check the inputs, or use bfloat16/float32 activations if fp16 overflowed",
+            where,
+        )
+
+
 def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
     """See :meth:`PagedKVCache.append`."""
     layer = cache._check_layer(layer)
@@ -224,10 +252,15 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
     slots = rows.slots
     n_old = cache._lens_np[layer, slots].astype(np.int64)
     _check_step(cache, layer, rows, n_old, t_new)
+    k_in = k
     if cache.key_rotation is not None:  # stored keys are k @ R (a NaN spreads over its token's channels)
         k = rotate(k, cache.key_rotation)
     kc = k if k.dtype == cache.tail_dtype else k.to(cache.tail_dtype)
     vc = v if v.dtype == cache.tail_dtype else v.to(cache.tail_dtype)
+    # the tail is read in full precision by every kernel: refuse NaN/inf (or an overflow of the tail dtype)
+    # here, before anything is stored, exactly as sealing would
+    if not bool(torch.isfinite(kc).all() & torch.isfinite(vc).all()):
+        _raise_non_finite_append(cache, layer, rows, n_old, (k_in, kc), (v, vc))
     r = n_old % b
     s = (r + t_new) // b
     sealing = np.nonzero(s)[0]

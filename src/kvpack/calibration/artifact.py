@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from kvpack.calibration.fingerprint import diff_fingerprints, fingerprint_from_config
+from kvpack.calibration.manifest import STATS, check_manifest, check_tensors, tensor_file
 from kvpack.calibration.observer import RoleStats
 from kvpack.calibration.static import StaticScales, same_quantization, spec_takes_static, static_scales
-from kvpack.errors import CalibrationError, FormatError, KVPackError
+from kvpack.errors import CalibrationError, FormatError
 from kvpack.formats import KVFormat, QuantSpec, parse_format
 
 __all__ = ["MANIFEST_NAME", "SCHEMA", "TENSORS_NAME", "Artifact", "CalibratedScales", "load_artifact"]
@@ -38,7 +39,7 @@ MANIFEST_NAME = "kvpack_calibration.json"
 TENSORS_NAME = "kvpack_calibration.safetensors"
 SCHEMA = 1
 _KIND = "kvpack-calibration"
-_STATS = ("absmax", "min", "max", "rms", "pair_absmax")
+_STATS = STATS
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,9 @@ class Artifact:
         for role, want, have, scales in self._roles(fmt):
             if not want.static:
                 continue
-            if scales is None or not same_quantization(want, have):
+            if scales is None:
+                problems.append(f"{role}: the artifact holds no {role[:-1]} scales, requested static {want}")
+            elif not same_quantization(want, have):
                 problems.append(f"{role}: artifact has scales for {have}, requested {want}")
         if problems:
             raise CalibrationError(
@@ -236,16 +239,35 @@ class Artifact:
         return m
 
     def save(self, directory: str | Path) -> Path:
-        """Write the two files into ``directory`` (created if needed); returns the directory."""
+        """Write the two files into ``directory`` and return it.
+
+        The files are written into a temporary folder beside ``directory``, which then replaces it in one step
+        (:func:`kvpack.fsutil.replace_dir`): a crash leaves the previous artifact, never a mix of old and new
+        files. An existing ``directory`` must be empty or an artifact (it is replaced whole).
+
+        Raises:
+            ConfigError: ``directory`` is a file, lies under one, cannot be written, or is a non-empty folder
+                that holds no artifact (it is never overwritten).
+        """
         from safetensors.torch import save
 
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        from kvpack.errors import ConfigError
+        from kvpack.fsutil import check_output_dir, replace_dir
+
+        d = check_output_dir(directory, "directory")
+        if d.is_dir() and any(d.iterdir()) and not (d / MANIFEST_NAME).is_file():
+            raise ConfigError(
+                f"{d} is a non-empty folder without {MANIFEST_NAME}; an artifact replaces its folder whole, so "
+                "pass a new or empty folder (or an existing artifact's folder)"
+            )
         blob = save(self._tensors(), metadata={"kind": _KIND, "format": self.format.spec_string()})
-        (d / TENSORS_NAME).write_bytes(blob)
         manifest = self.manifest(_sha256(blob))
-        (d / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        return d
+
+        def fill(tmp: Path) -> None:
+            (tmp / TENSORS_NAME).write_bytes(blob)
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+        return replace_dir(d, fill)
 
 
 def _corrupt(path: Path, why: str) -> CalibrationError:
@@ -314,7 +336,9 @@ def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVF
         )
     if manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise _corrupt(d, "the manifest checksum does not match its content (was it edited?)")
-    tpath = d / manifest["tensors"]["file"]
+    # the checksum has no key (anyone can re-sign): every field and tensor is validated as untrusted input
+    fmt, percentiles = check_manifest(d, manifest, TENSORS_NAME)
+    tpath = tensor_file(d, TENSORS_NAME)
     if not tpath.is_file():
         raise _corrupt(d, f"{tpath.name} is missing")
     blob = tpath.read_bytes()
@@ -324,33 +348,22 @@ def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVF
         tensors = load(blob)
     except Exception as e:  # safetensors raises its own error type for a malformed header
         raise _corrupt(d, f"{tpath.name} is not a readable safetensors file ({e})") from None
-    try:
-        fmt = _named(parse_format(manifest["format"]), manifest.get("format_name"))
-        percentiles = [float(p) for p in manifest["percentiles"]]
-        keys = _role_stats(tensors, "keys", percentiles)
-        values = _role_stats(tensors, "values", percentiles)
-        fp = manifest["fingerprint"]
-        want = (fp["num_layers"], fp["kv_heads"], fp["head_dim"])
-        for st in (keys, values):
-            if tuple(st.absmax.shape) != want:
-                raise _corrupt(d, f"statistics of shape {tuple(st.absmax.shape)} contradict the fingerprint {want}")
-        source = manifest["source"]
-        art = Artifact(
-            format=fmt,
-            source=source,
-            fingerprint=fp,
-            data=manifest["data"],
-            keys=keys,
-            values=values,
-            key_scales=_scales(tensors, "keys", fmt.key, source),
-            value_scales=_scales(tensors, "values", fmt.value, source),
-            kvpack_version=manifest["kvpack_version"],
-            model=manifest.get("model", {}),
-        )
-    except CalibrationError:
-        raise
-    except (KeyError, TypeError, ValueError, FormatError, KVPackError) as e:
-        raise _corrupt(d, f"{type(e).__name__}: {e}") from None
+    fp = manifest["fingerprint"]
+    check_tensors(d, tensors, fmt, fp, percentiles)
+    fmt = _named(fmt, manifest["format_name"])
+    source = manifest["source"]
+    art = Artifact(
+        format=fmt,
+        source=source,
+        fingerprint=fp,
+        data=manifest["data"],
+        keys=_role_stats(tensors, "keys", percentiles),
+        values=_role_stats(tensors, "values", percentiles),
+        key_scales=_scales(tensors, "keys", fmt.key, source),
+        value_scales=_scales(tensors, "values", fmt.value, source),
+        kvpack_version=manifest["kvpack_version"],
+        model=manifest.get("model", {}),
+    )
     if model is not None:
         art.check_model(model)
     if format is not None:

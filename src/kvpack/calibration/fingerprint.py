@@ -86,6 +86,9 @@ def fingerprint_from_config(config: Any) -> dict[str, Any]:
         config = config.get_text_config(decoder=True)
     elif isinstance(config, dict) and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "architectures": config.get("architectures")}
+    from kvpack.modelspecs import check_config_sizes
+
+    check_config_sizes(config, "the model config")
     layers = _get(config, "num_hidden_layers")
     heads = _get(config, "num_attention_heads")
     hidden = _get(config, "hidden_size")
@@ -94,7 +97,7 @@ def fingerprint_from_config(config: Any) -> dict[str, Any]:
             "the model config lacks num_hidden_layers, num_attention_heads or hidden_size; "
             "pass the config of a decoder-only transformer (its config.json)"
         )
-    kv_heads = _get(config, "num_key_value_heads") or heads
+    kv_heads = _get(config, "num_key_value_heads") or heads  # null or absent (checked above: never 0)
     head_dim = _get(config, "head_dim") or hidden // heads
     # model_type, not architectures[0]: it names the attention code and survives every loader (a GGUF
     # load has no architectures list); fall back to the class name when a config has no model_type

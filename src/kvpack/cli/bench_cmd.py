@@ -11,6 +11,7 @@ import importlib
 import json
 import sys
 
+from kvpack.cli.args import int_in, out_file
 from kvpack.errors import ConfigError
 
 DECODE_EPILOG = """\
@@ -44,14 +45,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--dequant-formats", default="int4", help="formats for dequantize-then-SDPA ('' for none; default int4)"
     )
-    d.add_argument("--batch", type=int, default=4, help="sequences (default 4)")
-    d.add_argument("--q-heads", type=int, default=32, help="query heads (default 32)")
-    d.add_argument("--kv-heads", type=int, default=8, help="kv heads (default 8)")
-    d.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
-    d.add_argument("--block-size", type=int, default=64, help="cache block size (default 64)")
-    d.add_argument("--repeats", type=int, default=None, help="timed calls per provider (default 10)")
-    d.add_argument("--threads", type=int, default=None, help="threads for torch and the kernel (default: torch's)")
-    d.add_argument("--membw-mb", type=int, default=512, help="buffer of the memory bandwidth probe in MiB (512)")
+    d.add_argument("--batch", type=int_in(1, 4096), default=4, help="sequences (default 4)")
+    d.add_argument("--q-heads", type=int_in(1, 4096), default=32, help="query heads (default 32)")
+    d.add_argument("--kv-heads", type=int_in(1, 4096), default=8, help="kv heads (default 8)")
+    d.add_argument("--head-dim", type=int_in(1, 4096), default=128, help="head dimension (default 128)")
+    d.add_argument("--block-size", type=int_in(1, 4096), default=64, help="cache block size (default 64)")
+    d.add_argument("--repeats", type=int_in(1, 10**6), default=None, help="timed calls per provider (default 10)")
+    d.add_argument(
+        "--threads", type=int_in(1, 4096), default=None, help="threads for torch and the kernel (default: torch's)"
+    )
+    d.add_argument(
+        "--membw-mb", type=int_in(1, 1 << 20), default=512, help="buffer of the memory bandwidth probe in MiB (512)"
+    )
     d.add_argument(
         "--block-order",
         choices=("shuffled", "ascending"),
@@ -59,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="block ids of the paged caches: shuffled (a fragmented pool, default) or ascending (a fresh pool)",
     )
     d.add_argument("--quick", action="store_true", help="small grid (4k and 16k, 5 repeats), about a minute")
-    d.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    d.add_argument("--json", type=out_file, metavar="PATH", help="also write the rows as JSON to PATH")
     # generate is another module's: its options are parsed when it runs (see _run_generate)
     g = sub.add_parser(
         "generate",
@@ -83,8 +88,21 @@ def _run_decode(args: argparse.Namespace) -> int:
     contexts = args.contexts or (QUICK["contexts"] if args.quick else "8k,16k,32k")
     formats = args.formats or (QUICK["formats"] if args.quick else "int8,fp8,int4,kivi2")
     repeats = args.repeats or (QUICK["repeats"] if args.quick else 10)
+    from kvpack.errors import KVPackError
+    from kvpack.formats import parse_format
+
+    for flag, text in (("--formats", formats), ("--dequant-formats", args.dequant_formats)):
+        for f in _split(text):
+            try:
+                parse_format(f)
+            except KVPackError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+    try:
+        parsed = tuple(parse_tokens(c) for c in _split(contexts))
+    except KVPackError as e:
+        raise ConfigError(f"--contexts: {e}") from None
     cfg = DecodeConfig(
-        contexts=tuple(parse_tokens(c) for c in _split(contexts)),
+        contexts=parsed,
         batch=args.batch,
         q_heads=args.q_heads,
         kv_heads=args.kv_heads,
@@ -121,7 +139,9 @@ def _run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    parser = argparse.ArgumentParser(prog="kvpack bench generate", description=(generate.__doc__ or "").strip())
+    from kvpack.cli.main import _Parser
+
+    parser = _Parser(prog="kvpack bench generate", description=(generate.__doc__ or "").strip())
     generate.add_arguments(parser)
     return int(generate.run(parser.parse_args(args.rest)) or 0)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpack.errors import CalibrationError
+from kvpack.cli.args import fmt, int_in, out_dir, real_in
+from kvpack.errors import ConfigError
 
 EPILOG = """\
 The artifact (a folder: kvpack_calibration.safetensors + kvpack_calibration.json) holds per-layer,
@@ -32,11 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--samples", type=int_in(1, 1 << 20), default=16, help="calibration windows (default 16)")
+    p.add_argument("--seq-len", type=int_in(2, 1 << 20), default=256, help="tokens per window (default 256)")
     p.add_argument(
         "--percentile",
-        type=float,
+        type=real_in(0.0, 100.0, lo_open=True),
         action="append",
         metavar="P",
         help="record this percentile of magnitudes (repeatable; 99.9 and 99.99 are always recorded)",
@@ -46,12 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--format",
+        type=fmt,
         default=None,
         help="the format the static scales are for (default: int8 keys per channel, static; int8 values per token)",
     )
     p.add_argument("--seed", type=int, default=0, help="picks the calibration windows (default 0)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
-    p.add_argument("--out", required=True, help="artifact folder to write")
+    p.add_argument("--batch-size", type=int_in(1, 1 << 16), default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--out", type=out_dir, required=True, help="artifact folder to write (replaced whole if it exists)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
 
 
@@ -66,14 +68,17 @@ def run(args: argparse.Namespace) -> int:
     from kvpack.formats import parse_format
 
     extra = [float(p) for p in (args.percentile or [])]
+    if any(p >= 100 for p in extra):
+        raise ConfigError(f"--percentile must be below 100 (100 is the abs-max: use --range absmax), got {extra}")
     fmt = parse_format(args.format or DEFAULT_FORMAT)  # a bad format fails before the model loads
     source = args.source or (f"p{extra[0]:g}" if extra else default_source(fmt))
     if source not in ("absmax", "rope"):
         parse_source(source)
-    if args.samples <= 0 or args.seq_len <= 0 or args.batch_size <= 0:
-        raise CalibrationError("--samples, --seq-len and --batch-size must be positive")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and args.seq_len > limit:  # checked before hours of calibration, not after
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions; give at most {limit}")
     with torch.no_grad():
         art = calibrate(
             model,

@@ -7,32 +7,15 @@ import json
 import sys
 from typing import Any
 
+from kvpack.cli.args import counts, fmt, int_in, out_dir, real_in
 from kvpack.errors import ConfigError
 
 DEFAULT_OUT = "kvpack-report"
 
 
-def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        p = part.strip().lower()
-        if not p:
-            continue
-        mult = 1024 if p.endswith("k") else 1
-        try:
-            out.append(int(float(p[:-1] if mult > 1 else p) * mult))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected token counts like 1024,2k,4k, got {part!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one length")
-    return out
-
-
 def _floats(text: str) -> list[float]:
-    try:
-        out = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected depths like 0.1,0.5,0.9, got {text!r}") from None
+    depth = real_in(0.0, 1.0)
+    out = [depth(p) for p in text.split(",") if p.strip()]
     if not out:
         raise argparse.ArgumentTypeError("give at least one depth")
     return out
@@ -41,7 +24,14 @@ def _floats(text: str) -> list[float]:
 def _names(text: str) -> list[str]:
     from kvpack.formats import split_formats  # fields (sink=1, v=...) stay with their format
 
-    return split_formats(text)
+    out = split_formats(text)
+    if not out:
+        raise argparse.ArgumentTypeError(f"give at least one name, got {text!r}")
+    return out
+
+
+def _formats(text: str) -> list[str]:
+    return [fmt(f) for f in _names(text)]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -59,11 +49,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
     p.add_argument(
         "--formats",
-        type=_names,
+        type=_formats,
         default=None,
         help="comma-separated formats; fields stay with their format (int4,sink=1,int8), or separate with ';'",
     )
-    p.add_argument("--lengths", type=_ints, default=None, help="needle context lengths, e.g. 1k,2k,4k")
+    p.add_argument("--lengths", type=counts, default=None, help="needle context lengths, e.g. 1k,2k,4k")
     p.add_argument("--depths", type=_floats, default=None, help="needle depths in [0,1], e.g. 0.1,0.5,0.9")
     p.add_argument(
         "--kinds",
@@ -71,12 +61,16 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="needle kinds: number,identifier,sentence,two-hop (default) and two-hop-strict",
     )
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT}/)")
+    p.add_argument("--out", type=out_dir, default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT}/)")
     p.add_argument("--json", action="store_true", help="print results as JSON on stdout instead of the table")
     p.add_argument("--seed", type=int, default=0, help="seed of haystacks and needles (default 0)")
     p.add_argument("--quick", action="store_true", help="a reduced sweep (a few minutes)")
-    p.add_argument("--fidelity-tokens", type=int, default=None, help="teacher-forced text length (0 skips)")
-    p.add_argument("--speculative-tokens", type=int, default=None, help="tokens of assisted generation (0 skips)")
+    p.add_argument(
+        "--fidelity-tokens", type=int_in(0, 1 << 20), default=None, help="teacher-forced text length (0 skips)"
+    )
+    p.add_argument(
+        "--speculative-tokens", type=int_in(0, 1 << 20), default=None, help="tokens of assisted generation (0 skips)"
+    )
     p.add_argument(
         "--engine",
         choices=["auto", "kvpack", "simulate"],
@@ -92,7 +86,7 @@ def add_parser(subparsers: Any) -> None:
         help="calibration artifact of this model (kvpack calibrate --out DIR), for formats with calibrated "
         "scales such as fp8@static (their scales are recomputed from its statistics)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int_in(1, 4096), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(command="eval")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvpack.cli.args import out_dir
+
 EPILOG = """\
 vllm: fp8 e4m3 per-layer scales, model.layers.{i}.self_attn.k_scale / v_scale (float32 scalars,
 scale = amax / 448), the convention of vLLM and llm-compressor checkpoints; plus kv_cache_scheme.json
@@ -24,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("engine", choices=["vllm"], help="target engine")
     p.add_argument("--artifact", required=True, help="calibration artifact folder (from kvpack calibrate)")
-    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--out", type=out_dir, required=True, help="folder to write")
     p.add_argument("--range", dest="source", metavar="SOURCE", help="rope, absmax or p<P> (default: the artifact's)")
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from kvpack.cli.args import fmt, int_in, real_in
 from kvpack.errors import ConfigError
+
+# tokens one call may generate: beyond this no model has positions (and the cache would not fit)
+MAX_NEW_TOKENS = 1 << 20
+
+BACKENDS = ("auto", "cpu", "triton", "reference")
 
 EPILOG = """\
 the prompt goes through the model's chat template when it has one (--raw to skip it).
@@ -25,13 +31,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--format", default="int4", help="cache format: a preset or custom string (default int4)")
+    p.add_argument("--format", type=fmt, default="int4", help="cache format: a preset or custom string (default int4)")
     p.add_argument("--model", help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (with --temperature > 0)")
+    p.add_argument(
+        "--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=128, help="tokens to generate at most (default 128)"
+    )
+    p.add_argument(
+        "--temperature", type=real_in(0.0, 100.0), default=0.0, help="sampling temperature; 0 is greedy (default 0)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=real_in(0.0, 1.0, lo_open=True),
+        default=None,
+        help="nucleus sampling threshold (with --temperature > 0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    p.add_argument("--backend", default="auto", help="decode kernel: auto, cpu, triton or reference (default auto)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="decode kernel: auto, cpu, triton or reference (default auto)",
+    )
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
 
 
@@ -44,10 +64,8 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty; give the text to continue")
     import torch
 
     from kvpack.formats import parse_format
@@ -64,6 +82,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         inputs = tokenizer(args.prompt, return_tensors="pt")
     prompt_len = inputs["input_ids"].shape[1]
+    if prompt_len == 0:
+        raise ConfigError("--prompt tokenizes to nothing; give the text to continue")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_len + args.max_new_tokens > limit:
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens}: the prompt ({prompt_len} tokens) plus that many exceeds the "
+            f"model's {limit} positions; give at most {max(1, limit - prompt_len)}"
+        )
     cache = cache_for(model, fmt, max_tokens=prompt_len + args.max_new_tokens + 1, backend=args.backend)
     sampling = {"do_sample": False}
     if args.temperature > 0:

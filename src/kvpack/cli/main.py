@@ -1,14 +1,17 @@
 """Entry point of the ``kvpack`` command.
 
 Each subcommand lives in its own module ``kvpack.cli.<name>`` exposing ``add_parser(subparsers)`` (light:
-no heavy imports at module level) and ``run(args) -> int``. Errors derived from
-:class:`kvpack.errors.KVPackError` print one clear line and exit with status 2.
+no heavy imports at module level) and ``run(args) -> int``. A bad argument (refused while parsing, by the
+types of :mod:`kvpack.cli.args`) and errors derived from :class:`kvpack.errors.KVPackError` print one
+clear line and exit with status 2. Anything else is a bug in kvpack: one line saying so, status 1, and the
+traceback only with ``KVPACK_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kvpack.errors import KVPackError
@@ -27,10 +30,17 @@ def _available() -> dict[str, object]:
     return mods
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: ``kvpack size: error: argument --context: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     from kvpack import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvpack",
         description="Quantized, paged KV cache: capacity planning, evaluation and benchmarks.",
     )
@@ -44,7 +54,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser, mods = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a refused argument (status 2), --help or --version (0): a status, not an exit
+        return e.code if isinstance(e.code, int) else 2
     if not args.command:
         parser.print_help()
         return 2
@@ -56,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug: say so in one line; the traceback is for KVPACK_DEBUG=1
+        if os.environ.get("KVPACK_DEBUG"):
+            raise
+        print(
+            f"kvpack {args.command}: internal error ({type(e).__name__}: {e}); this is a bug in kvpack: rerun with "
+            "KVPACK_DEBUG=1 for the traceback and report it",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

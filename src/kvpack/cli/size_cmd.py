@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from kvpack.errors import ConfigError
+from kvpack.errors import ConfigError, FormatError
 
 EPILOG = """\
 sizes accept k = 1024 and m = 1024*1024: --context 8k, 128k, 1m.
@@ -185,7 +185,10 @@ def run(args: argparse.Namespace) -> int:
     context = parse_count(args.context, "--context")
     batch = parse_count(args.batch, "--batch")
     prefix = parse_count(args.shared_prefix, "--shared-prefix") if args.shared_prefix is not None else None
-    formats = parse_formats(args.formats)
+    try:
+        formats = parse_formats(args.formats)
+    except FormatError as e:
+        raise ConfigError(f"--format: {e}") from None
     result = plan(
         model,
         context,

@@ -15,6 +15,7 @@ docs/calibration.md. This module does not import transformers.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,8 @@ def vllm_scales(artifact: Artifact, source: str | None = None) -> dict[str, torc
             ``"p<P>"``; default: the artifact's own source.
 
     Raises:
-        CalibrationError: a layer never saw a non-zero value (its scale would be meaningless), or the
-            statistic is missing.
+        CalibrationError: a layer never saw a non-zero value (its scale would be meaningless), its range is
+            NaN or inf (no finite scale exists), or the statistic is missing.
     """
     src = source or artifact.source
     k_amax = artifact.keys.magnitude(src).flatten(1).amax(1)  # [layers]
@@ -122,6 +123,12 @@ def vllm_scales(artifact: Artifact, source: str | None = None) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for i in range(artifact.keys.num_layers):
         for role, amax in (("k", k_amax[i]), ("v", v_amax[i])):
+            what = "key" if role == "k" else "value"
+            if not math.isfinite(float(amax)):
+                raise CalibrationError(
+                    f"layer {i}: the calibrated {what} range ({src}) is {float(amax)}, so no finite fp8 scale "
+                    "exists; recalibrate (an artifact from disk with such a value is refused when loaded)"
+                )
             if not float(amax) > 0.0:
                 raise CalibrationError(
                     f"layer {i}: every calibrated {'key' if role == 'k' else 'value'} was zero, so no scale can be "
@@ -136,7 +143,7 @@ def _readme(artifact: Artifact, n_layers: int, reasons: list[str], source: str) 
     lines = [
         "# fp8 KV-cache scales exported by kvpack",
         "",
-        f"Model: {fp['architecture']}, {fp['num_layers']} layers, {fp['kv_heads']} kv heads, head_dim "
+        f"Model: {fp.get('architecture', 'unknown')}, {fp['num_layers']} layers, {fp['kv_heads']} kv heads, head_dim "
         f"{fp['head_dim']}. Calibration: {artifact.data.get('samples')} x {artifact.data.get('seq_len')} tokens of "
         f"{artifact.data.get('name')}; range source {source}.",
         "",
@@ -181,9 +188,13 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path, source: str | Non
 
     Raises:
         CalibrationError: the artifact is missing, corrupted or unusable (see :func:`vllm_scales`).
+        ConfigError: ``out_dir`` is a file, lies under one, or cannot be written (checked first).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
+    from kvpack.fsutil import atomic_write_bytes, atomic_write_text, check_output_dir
+
+    check_output_dir(out_dir, "--out")  # before any work
     artifact = load_artifact(artifact_dir)
     src = source or artifact.source
     scales = vllm_scales(artifact, src)
@@ -195,12 +206,13 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path, source: str | Non
             f"model type {arch!r} may not name its attention modules model.layers.{{i}}.self_attn; check the "
             "checkpoint's tensor names and rename the scales to match"
         )
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, "--out")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(scales, str(out / SCALES_FILE), metadata={"format": "pt", "producer": "kvpack"})
+    # each file replaced in one step (the folder may hold other files, which are left alone)
+    atomic_write_bytes(out / SCALES_FILE, save(scales, metadata={"format": "pt", "producer": "kvpack"}))
     scheme = {"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": KV_CACHE_SCHEME}}
-    (out / SCHEME_FILE).write_text(json.dumps(scheme, indent=2) + "\n")
-    (out / README_FILE).write_text(_readme(artifact, n, reasons, src))
+    atomic_write_text(out / SCHEME_FILE, json.dumps(scheme, indent=2) + "\n")
+    atomic_write_text(out / README_FILE, _readme(artifact, n, reasons, src))
     summary = {
         "out": str(out),
         "layers": n,
@@ -217,5 +229,5 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path, source: str | Non
         "kvpack_version": artifact.kvpack_version,
         **summary,
     }
-    (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    atomic_write_text(out / PROVENANCE_FILE, json.dumps(provenance, indent=2) + "\n")
     return summary

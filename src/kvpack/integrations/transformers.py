@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -230,8 +231,9 @@ class KVPackCache(Cache):
             max_tokens = min(
                 int(getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_TOKENS), DEFAULT_MAX_TOKENS
             )
-        if int(max_tokens) <= 0 or int(batch_size) <= 0:
-            raise ConfigError(f"max_tokens and batch_size must be positive, got {max_tokens} and {batch_size}")
+        for name, n in (("max_tokens", max_tokens), ("batch_size", batch_size)):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {n!r}")
         if backend != "auto" and backend not in kernels.BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; use 'auto' or one of {', '.join(kernels.BACKENDS)}")
         self.max_tokens = int(max_tokens)

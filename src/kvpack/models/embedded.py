@@ -10,17 +10,20 @@ Nothing here touches the network: ``HF_HUB_OFFLINE`` is set before transformers 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvpack.errors import ConfigError
+from kvpack.fsutil import atomic_write_text
 
 __all__ = [
     "EMBEDDED_NAME",
@@ -93,8 +96,77 @@ def converted_dir() -> Path:
     return cache_dir() / "models" / f"{EMBEDDED_NAME}-v{_CONVERSION_VERSION}"
 
 
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+_STALE_AFTER_S = 3600  # a temporary folder whose owner cannot be told apart from a live one is left this long
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _record(folder: Path) -> dict[str, dict[str, int | str]]:
+    """Size, mtime and sha256 of every file of a converted folder (the marker aside)."""
+    out: dict[str, dict[str, int | str]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != _MARKER:
+            st = p.stat()
+            out[p.name] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256_file(p)}
+    return out
+
+
 def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in (_MARKER, "config.json", "model.safetensors", "tokenizer.json"))
+    """The marker is current and every file it records is there with its size; a file whose mtime changed is
+    checked against its sha256 (and the marker then takes the new mtime), so a truncated or rewritten file is
+    caught without hashing every file on every load."""
+    try:
+        marker = json.loads((folder / _MARKER).read_text())
+        files = marker["files"]
+        if marker.get("conversion_version") != _CONVERSION_VERSION or not set(_REQUIRED) <= set(files):
+            return False
+        touched = False
+        for name, rec in files.items():
+            st = (folder / name).stat()
+            if st.st_size != rec["bytes"]:
+                return False
+            if st.st_mtime_ns != rec["mtime_ns"]:
+                if _sha256_file(folder / name) != rec["sha256"]:
+                    return False
+                rec["mtime_ns"], touched = st.st_mtime_ns, True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if touched:
+        with contextlib.suppress(OSError):
+            atomic_write_text(folder / _MARKER, json.dumps(marker, indent=2) + "\n")
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_temporaries(final: Path) -> None:
+    """Temporary folders of conversions whose process died (a kill leaves hundreds of MB behind)."""
+    for p in final.parent.glob(f".{final.name}.*"):
+        parts = p.name[len(final.name) + 2 :].split(".", 1)
+        if parts[0].isdigit():
+            stale = not _pid_alive(int(parts[0]))
+        else:  # a name without the owner's pid (older kvpack): judge by age
+            try:
+                stale = time.time() - p.stat().st_mtime > _STALE_AFTER_S
+            except OSError:
+                continue
+        if stale and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -124,15 +196,22 @@ def _convert(gguf: Path, out: Path) -> None:
         "conversion_version": _CONVERSION_VERSION,
         "dtype": "float32",
     }
-    (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _write_marker(out, marker)
+
+
+def _write_marker(out: Path, marker: dict[str, Any]) -> None:
+    """The marker, written last: it records every file's size and checksum (see :func:`_is_complete`)."""
+    atomic_write_text(out / _MARKER, json.dumps({**marker, "files": _record(out)}, indent=2) + "\n")
 
 
 def ensure_converted(progress: bool = False) -> Path:
     """The converted folder of the embedded model, converting the wheel's GGUF on first use.
 
-    The conversion writes into a temporary folder next to the destination and renames it into place, so a
-    crash or a concurrent conversion never leaves a half-written model behind: whichever rename lands
-    first wins, the other copy is discarded.
+    The conversion writes into a temporary folder next to the destination (named with the converting
+    process's id) and renames it into place, so a crash or a concurrent conversion never leaves a half-written
+    model behind: whichever rename lands first wins, the other copy is discarded. Temporary folders of
+    processes that died are removed. A converted folder is used only while its files match the sizes and
+    checksums recorded at the end of the conversion; otherwise it is converted again.
 
     Raises:
         ConfigError: the wheel (or transformers / gguf) is missing.
@@ -142,9 +221,10 @@ def ensure_converted(progress: bool = False) -> Path:
         return final
     gguf = find_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():  # a leftover without its marker: never trust it
+    _remove_stale_temporaries(final)
+    if final.exists():  # incomplete, truncated or edited: never trust it
         shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", dir=final.parent))
     try:
         if progress:
             print(f"kvpack: converting the embedded model {GGUF_FILE} once to {final} ...", flush=True)
@@ -173,7 +253,21 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
             f"--model {path}: no config.json in that folder; give a local Hugging Face model folder "
             "(as written by save_pretrained)"
         )
+    _check_config(folder / "config.json", str(path))
     return folder
+
+
+def _check_config(path: Path, shown: str) -> None:
+    """A readable JSON object whose sizes are positive integers, before transformers reads it."""
+    from kvpack.modelspecs import check_config_sizes
+
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--model {shown}: config.json is not readable JSON ({e}); fix or re-download it") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--model {shown}: config.json is not a JSON object; fix or re-download it")
+    check_config_sizes(cfg, f"--model {shown}: config.json")
 
 
 def load_model(
@@ -211,8 +305,11 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(
                 str(folder), dtype=dtype, local_files_only=True, **from_pretrained_kwargs
             )
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load a causal LM from {folder}: {e}") from e
+    except Exception as e:  # loaders raise many types (OSError, SafetensorError, TypeError...) for bad files
+        raise ConfigError(
+            f"cannot load a causal LM from {folder} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "check that its files are complete (a truncated download or copy?)"
+        ) from e
     model.to(device)
     model.eval()
     tokenizer.padding_side = "left"
