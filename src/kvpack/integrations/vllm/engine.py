@@ -10,7 +10,8 @@ A job (all keys optional but ``model`` and ``prompts``)::
     {"model": PATH, "format": "int4" | null (vLLM's own cache) , "kv_cache_dtype": "auto" | "fp8",
      "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
-     "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null}
+     "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
+     "engine_kwargs": {...more vllm.LLM arguments}}
 
 The result: ``outputs`` (generated token ids per prompt), ``cached_tokens`` (prompt tokens served from the prefix
 cache, per prompt), ``num_blocks``, ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``,
@@ -97,6 +98,7 @@ def _main() -> None:
     )
     if job.get("format"):
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
+    kw.update(job.get("engine_kwargs") or {})
     llm = LLM(job["model"], **kw)
     core = llm.llm_engine.engine_core.engine_core
     stats = {"steps": 0, "max_running": 0, "preemptions": 0}

@@ -1,0 +1,118 @@
+"""``kvpack bench vllm``: vLLM offline on the embedded model at a fixed KV space, kvpack formats against vLLM's own.
+
+The workload is one a default cache must preempt on: many requests with long prompts of real prose (the standard
+library's ``pydoc_data.topics``) sharing a prefix, all submitted at once, greedy, a fixed number of new tokens
+each (``ignore_eos``). Every provider runs in a fresh process (:func:`kvpack.integrations.vllm.engine.run_engine`)
+with the same KV space (``kv_cache_memory_bytes``: kvpack's full-precision tails are paid from it), the same
+scheduler limits and the same prompts. ``greedy_match`` is the share of sequences whose tokens equal vLLM's
+default cache's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpack.integrations.vllm.engine import run_engine
+
+__all__ = ["PROVIDERS", "Row", "prose_token_ids", "run", "workload"]
+
+# (row name, kvpack format or None, vLLM kv_cache_dtype)
+PROVIDERS = {
+    "vllm-default": (None, "auto"),
+    "vllm-fp8": (None, "fp8"),
+    "int8": ("int8", "auto"),
+    "int4": ("int4", "auto"),
+    "k4v2": ("k4v2", "auto"),
+}
+FULL = {"requests": 48, "prefix": 256, "extra": (128, 512), "max_tokens": 64, "kv_mib": 96}
+QUICK = {"requests": 16, "prefix": 128, "extra": (64, 256), "max_tokens": 32, "kv_mib": 40}
+
+
+@dataclass
+class Row:
+    format: str
+    kv_capacity_tokens: int
+    max_running: int
+    preemptions: int
+    tokens_per_s: float
+    wall_s: float
+    greedy_match: float
+    prefix_hit_tokens: int
+
+
+def prose_token_ids(model_path: str) -> list[int]:
+    """Token ids of real prose (every ``pydoc_data.topics`` entry, in name order) under the model's tokenizer."""
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return tok(" ".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+
+
+def workload(ids: list[int], requests: int, prefix: int, extra: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """``requests`` prompts: a shared ``prefix`` of ``ids``, then each its own stretch of ``extra`` tokens."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(extra[0], extra[1] + 1, size=requests)
+    starts = rng.integers(prefix, len(ids) - extra[1], size=requests)
+    return [ids[:prefix] + ids[s : s + n] for s, n in zip(starts.tolist(), lens.tolist())]
+
+
+def run(
+    providers: list[str] | None = None,
+    quick: bool = False,
+    model: str | None = None,
+    kv_mib: int | None = None,
+    max_num_seqs: int = 32,
+    kernel: str = "auto",
+) -> list[Row]:
+    """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
+    from kvpack.models.embedded import ensure_converted
+
+    cfg = QUICK if quick else FULL
+    path = str(model or ensure_converted())
+    prompts = workload(prose_token_ids(path), cfg["requests"], cfg["prefix"], cfg["extra"])
+    longest = max(len(p) for p in prompts) + cfg["max_tokens"]
+    base: dict[str, Any] = {
+        "model": path,
+        "prompts": prompts,
+        "max_tokens": cfg["max_tokens"],
+        "kv_bytes": int((kv_mib or cfg["kv_mib"]) * 2**20),
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": -(-longest // 64) * 64,
+        "max_num_batched_tokens": 512,
+        "kernel": kernel,
+    }
+    rows, reference = [], None
+    for name in providers or list(PROVIDERS):
+        fmt, dtype = PROVIDERS.get(name, (name, "auto"))
+        res = run_engine({**base, "format": fmt, "kv_cache_dtype": dtype})
+        if reference is None:
+            reference = res["outputs"]
+        match = float(np.mean([a == b for a, b in zip(res["outputs"], reference)]))
+        rows.append(
+            Row(name, res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
+                res["wall_s"], match, sum(res["cached_tokens"]))
+        )  # fmt: skip
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a fixed-width table."""
+    head = f"{'format':<14}{'kv_capacity_tokens':>19}{'max_running':>12}{'preemptions':>12}{'tokens_per_s':>13}"
+    head += f"{'wall_s':>9}{'greedy_match':>13}{'prefix_hits':>12}"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.format:<14}{r.kv_capacity_tokens:>19,}{r.max_running:>12}{r.preemptions:>12}{r.tokens_per_s:>13.1f}"
+            f"{r.wall_s:>9.1f}{r.greedy_match:>13.2f}{r.prefix_hit_tokens:>12,}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)

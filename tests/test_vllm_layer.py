@@ -1,0 +1,253 @@
+"""The vLLM backend's storage without vLLM: page layout, tail table, and a layer driven by a simulated scheduler.
+
+The simulated scheduler does what vLLM's does to a backend: block ids from a shuffled free list, prompts in
+chunks of any size, decode steps, a second request reusing a first one's full blocks (a prefix-cache hit),
+requests that end or are preempted with an open block, and block ids handed to a new owner. The oracle is
+kvpack's own :class:`PagedKVCache` fed the same tokens: sealing is block-local, so the same blocks must give the
+same codes and the same attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kvpack import parse_format
+from kvpack.cache import PagedKVCache
+from kvpack.errors import NonFiniteError, PoolExhaustedError, ShapeError, UnsupportedError
+from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
+from kvpack.integrations.vllm.layout import ALIGN, PageLayout
+from kvpack.integrations.vllm.tails import TailError, TailTable
+from kvpack.kernels.reference import paged_attention_reference
+from kvpack.testing import assert_close
+
+H, D, HQ = 2, 64, 4
+POISON = 0x7F  # every byte of a foreign page: a NaN/huge value in any dtype if a read strays there
+
+
+def _pages(layout: PageLayout, num_blocks: int, interleave: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_cache [num_blocks, 1, B, C] int8 view, backing buffer)``: this layer's pages with ``interleave - 1``
+    poisoned foreign pages between blocks (other layers' pages sit there in vLLM's block-major layouts)."""
+    page = layout.page_bytes
+    buf = torch.full((num_blocks, interleave, page), POISON, dtype=torch.uint8)
+    buf[:, 0] = 0
+    view = buf.view(torch.int8)[:, 0].view(num_blocks, 1, layout.block_size, layout.cell_bytes)
+    return view, buf
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0"])
+def test_page_holds_exactly_the_format_bytes_plus_the_sink_rows(preset):
+    fmt = parse_format(preset)
+    layout = PageLayout.build(fmt, H, D, torch.float32)
+    sink = 2 * H * fmt.sink * D * 2  # fp16 rows of K and V
+    assert layout.page_bytes >= layout.format_block_bytes + sink
+    slack = layout.page_bytes - layout.format_block_bytes - sink
+    assert slack < len(layout.regions) * ALIGN + layout.block_size  # alignment and the round-up to whole cells
+    ends = [(r.offset, r.offset + r.nbytes) for r in layout.regions]
+    assert all(a % ALIGN == 0 for a, _ in ends)
+    assert all(e1 <= a2 for (_, e1), (a2, _) in itertools.pairwise(ends))  # regions do not overlap
+    assert ends[-1][1] <= layout.page_bytes
+
+
+def test_views_share_the_pages_and_skip_foreign_bytes():
+    layout = PageLayout.build(parse_format("int4"), H, D, torch.float32)
+    kv_cache, buf = _pages(layout, 5)
+    pools = layout.views(kv_cache)
+    pools["k_scale"][3].fill_(1.5)
+    pools["v_data_bytes"][2].fill_(0xAB)
+    assert pools["k_scale"].stride(0) * 2 == 2 * layout.page_bytes  # fp16 elements: two pages a block
+    page3 = buf[3, 0]
+    off = layout.region("k_scale").offset
+    assert torch.equal(page3[off : off + 2].view(torch.float16), torch.tensor([1.5], dtype=torch.float16))
+    assert (buf[:, 1] == POISON).all()  # the foreign pages were never written
+    assert (buf[2, 0, layout.region("v_data").offset : layout.region("v_data").offset + 8] == 0xAB).all()
+
+
+def test_views_refuse_another_layout():
+    layout = PageLayout.build(parse_format("int8"), H, D, torch.float32)
+    with pytest.raises(ShapeError, match="page layout does not match"):
+        layout.views(torch.zeros(4, 1, 64, layout.cell_bytes + 16, dtype=torch.int8))
+
+
+def test_outlier_formats_are_refused_by_the_page_layout():
+    with pytest.raises(UnsupportedError, match="outlier"):
+        PageLayout.build(parse_format("int4-o4"), H, D, torch.float32)
+
+
+# -- the tail table -----------------------------------------------------------------------------------------
+
+
+def _plan(table: TailTable, rows: list[tuple[int, int, list[int]]]):
+    """rows: (tokens before the step, tokens this step, block ids)."""
+    qs = np.cumsum([0] + [t for _, t, _ in rows])
+    sl = np.array([c + t for c, t, _ in rows])
+    w = max(len(b) for _, _, b in rows)
+    bt = np.zeros((len(rows), w), dtype=np.int32)
+    for i, (_, _, b) in enumerate(rows):
+        bt[i, : len(b)] = b
+    return table.plan(qs, sl, bt)
+
+
+def test_a_block_keeps_a_tail_until_its_last_slot_is_written():
+    table = TailTable(num_blocks=10, capacity=2, block_size=4)
+    p = _plan(table, [(0, 3, [5])])
+    assert table.num_allocated == 1 and p.seal_block.size == 0 and list(p.write_off) == [0, 1, 2]
+    p = _plan(table, [(3, 1, [5])])
+    assert list(p.seal_block) == [5] and list(p.seal_from) == [3] and p.seal_slot[0] >= 0
+    assert table.num_allocated == 0 and p.tail_slot[0] == table.scratch  # nothing of the request is in a tail
+    p = _plan(table, [(4, 6, [5, 7, 8])])  # a chunk that seals one block and opens the next
+    assert list(p.seal_block) == [7] and list(p.seal_from) == [0] and list(p.seal_tok) == [0]
+    assert list(p.write_tok) == [4, 5] and table.num_allocated == 1
+
+
+def test_tails_of_ended_requests_are_released_and_reused_block_ids_start_over():
+    table = TailTable(num_blocks=10, capacity=2, block_size=4)
+    _plan(table, [(0, 2, [3]), (0, 1, [4])])
+    assert table.num_allocated == 2
+    assert table.release_blocks([3, 9]) == 1  # request 1 finished (9 had no tail)
+    _plan(table, [(0, 2, [4])])  # block 4 handed to a new owner: it starts at slot 0, its old tail is garbage
+    assert table.num_allocated == 1
+    table.release_blocks([4])
+    assert table.num_allocated == 0
+
+
+def test_a_write_into_the_middle_of_a_sealed_block_is_refused_and_changes_nothing():
+    table = TailTable(num_blocks=10, capacity=2, block_size=4)
+    _plan(table, [(0, 2, [3])])
+    before = table.slot_of_block.copy()
+    with pytest.raises(TailError, match="sealed"):
+        _plan(table, [(2, 1, [3]), (5, 1, [1, 6])])  # block 6 was never opened: a partial hit into a sealed block
+    assert np.array_equal(table.slot_of_block, before) and table.num_allocated == 1
+
+
+def test_more_open_blocks_than_tail_slots_is_refused_before_any_change():
+    table = TailTable(num_blocks=10, capacity=1, block_size=4)
+    with pytest.raises(PoolExhaustedError, match="max-num-seqs"):
+        _plan(table, [(0, 1, [1]), (0, 1, [2])])
+    assert table.num_allocated == 0
+
+
+def test_sink_positions_go_to_the_first_block():
+    table = TailTable(num_blocks=10, capacity=2, block_size=4, sink=2)
+    _plan(table, [(0, 1, [5])])
+    p = _plan(table, [(0, 6, [2, 3]), (1, 1, [5])])
+    assert list(p.sink_tok) == [0, 1, 6] and list(p.sink_block) == [2, 2, 5] and list(p.sink_pos) == [0, 1, 1]
+
+
+def test_the_null_block_is_never_stored():
+    table = TailTable(num_blocks=10, capacity=1, block_size=4)
+    p = _plan(table, [(0, 3, [0])])
+    assert table.num_allocated == 0 and p.write_tok.size == 0
+
+
+# -- a layer under a simulated scheduler -----------------------------------------------------------------
+
+
+class _Sim:
+    """Requests scheduled in steps over one :class:`PagedLayer`, mirrored into kvpack's own cache."""
+
+    def __init__(self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int):
+        self.fmt = parse_format(preset)
+        self.b = self.fmt.block_size
+        self.layer = PagedLayer(self.fmt, H, D, capacity, torch.float32, torch.device("cpu"))
+        self.kv_cache, self.buf = _pages(self.layer.layout, num_blocks)
+        self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink)
+        self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+        self.oracle = PagedKVCache(self.fmt, 1, H, D, num_blocks, tail_dtype=torch.float32, max_seqs=16)
+        self.kernel = kernel
+        self.gen = torch.Generator().manual_seed(seed)
+        self.reqs: dict[int, dict] = {}
+
+    def add(self, rid: int, share_from: int | None = None, shared_blocks: int = 0) -> None:
+        blocks, k, v, n = [], None, None, 0
+        sid = self.oracle.add_sequence()
+        if share_from is not None:  # a prefix-cache hit: the first full blocks are the other request's pages
+            src = self.reqs[share_from]
+            blocks = list(src["blocks"][:shared_blocks])
+            n = shared_blocks * self.b
+            k, v = src["k"][:n].clone(), src["v"][:n].clone()
+            self.oracle.append(0, [sid], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        self.reqs[rid] = {"blocks": blocks, "n": n, "k": k, "v": v, "sid": sid}
+
+    def end(self, rid: int) -> None:
+        req = self.reqs.pop(rid)
+        self.table.release_blocks(req["blocks"])  # the runner hook, before the next step is planned
+        self.oracle.free(req["sid"])
+
+    def step(self, work: dict[int, int]) -> None:
+        """One step: request rid gets ``work[rid]`` new tokens; checks every query's attention."""
+        rids = list(work)
+        toks_k, toks_v, rows = [], [], []
+        for rid in rids:
+            req, t = self.reqs[rid], work[rid]
+            need = -(-(req["n"] + t) // self.b) - len(req["blocks"])
+            req["blocks"] += [int(self.free.pop()) for _ in range(need)]
+            nk = torch.randn(t, H, D, generator=self.gen) * 2
+            nv = torch.randn(t, H, D, generator=self.gen)
+            nk[:, :, 3] += 6.0  # an outlier key channel, as real models have
+            toks_k.append(nk)
+            toks_v.append(nv)
+            rows.append((req["n"], t, req["blocks"]))
+        qs = np.cumsum([0] + [t for _, t, _ in rows])
+        sl = np.array([c + t for c, t, _ in rows])
+        bt = torch.zeros(len(rows), max(len(b) for _, _, b in rows), dtype=torch.int32)
+        for i, (_, _, b) in enumerate(rows):
+            bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        plan = self.table.plan(qs, sl, bt.numpy())
+        st = StepTensors.from_plan(plan, bt)
+        key, value = torch.cat(toks_k), torch.cat(toks_v)
+        query = torch.randn(int(qs[-1]), HQ, D, generator=self.gen)
+        self.layer.write(self.kv_cache, plan, key, value)
+        out = torch.full_like(query, float("nan"))
+        self.layer.attend(self.kv_cache, plan, st, query, out, sm_scale=D**-0.5, kernel=self.kernel)
+        for i, rid in enumerate(rids):
+            req = self.reqs[rid]
+            k, v = toks_k[i], toks_v[i]
+            req["k"] = k if req["k"] is None else torch.cat([req["k"], k])
+            req["v"] = v if req["v"] is None else torch.cat([req["v"], v])
+            req["n"] += work[rid]
+            self.oracle.append(0, [req["sid"]], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            want = paged_attention_reference(query[qs[i] : qs[i + 1]][None], self.oracle.view(0, [req["sid"]]))[0]
+            tol = 1e-5 if self.fmt.is_passthrough else 2e-3  # the sink rows are stored in fp16 here
+            assert_close(out[qs[i] : qs[i + 1]], want, tol, tol, f"request {rid} at {req['n']} tokens")
+        assert (self.buf[:, 1] == POISON).all(), "a write strayed into another layer's pages"
+
+
+@pytest.mark.parametrize(
+    ("preset", "kernel"),
+    [("kv=fp32", "reference"), ("int8", "auto"), ("int4", "reference"), ("fp8", "auto"), ("kivi2", "reference"),
+     ("int4,block=16", "auto"), ("k8v4,sink=0", "reference")],
+)  # fmt: skip
+def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
+    sim = _Sim(preset, num_blocks=48, capacity=4, kernel=kernel, seed=7)
+    b = sim.b
+    sim.add(0)
+    sim.add(1)
+    sim.step({0: b + 5, 1: 3})  # a prompt past one block next to a short one
+    sim.step({0: 2 * b - 5, 1: b})  # chunks that end on a block boundary and inside one
+    for _ in range(3):
+        sim.step({0: 1, 1: 1})  # decode
+    sim.add(2, share_from=0, shared_blocks=2)  # a prefix-cache hit on request 0's two full blocks
+    sim.step({2: 7, 0: 1, 1: 1})
+    sim.end(1)  # finished with an open block: its tail is released
+    assert sim.table.num_allocated == 2
+    sim.add(3)
+    sim.step({3: b - 1, 2: 1, 0: 1})  # request 1's block ids may come back: they start over at slot 0
+    sim.step({3: 1, 2: b, 0: 1})  # request 3's block seals from its tail on a decode step
+    for rid in list(sim.reqs):
+        sim.end(rid)
+    assert sim.table.num_allocated == 0
+
+
+def test_non_finite_keys_are_refused_at_seal_and_nothing_is_written():
+    sim = _Sim("int8", num_blocks=8, capacity=2, kernel="reference", seed=1)
+    plan = _plan(sim.table, [(0, 64, [3])])
+    before = sim.buf.clone()
+    key = torch.randn(64, H, D)
+    key[10, 1, 5] = float("nan")
+    with pytest.raises(NonFiniteError):
+        sim.layer.write(sim.kv_cache, plan, key, torch.randn(64, H, D))
+    assert torch.equal(sim.buf, before)
