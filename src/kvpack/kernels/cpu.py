@@ -8,6 +8,13 @@ scale dtype (fp32, fp16, bf16, E8M0) and any granularity, and outlier key channe
 int8/int4/int2 codes are multiplied as integers on x86 CPUs with AVX2 or AVX-512 BW, fp8 codes too with
 AVX-512 BW (:func:`int_dot_enabled`; ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` turns it off), the float32
 path serves everything else.
+
+Pools may be strided along the block axis (each pool a view into one page per block, as vLLM lays out its
+KV cache): every pool (``k_data``, ``k_scale``, ``k_zero`` and the same for values) must be contiguous within
+a block, and its ``stride(0)``, at least the block's own element count, becomes the spec's block stride
+(``cpu_numba.P_BST``, ``P_SBST``, ``P_ZBST``); the kernel reads such pools in place, without copying. The
+tails may be strided along the batch axis the same way. Outlier pools (``k_outlier``, ``k_outlier_idx``)
+must be contiguous.
 """
 
 from __future__ import annotations
@@ -144,8 +151,10 @@ class _ViewState:
     every call; only their contents change, and numpy views of contiguous tensors share their memory. So the
     structural checks, the spec vectors and the numpy views are made once per view (on the CPU, with the
     caches cold after a long kernel pass, they cost ~0.2 ms a call). Contents (lengths, block ids, outlier
-    channels) and the query are still checked on every call. A tensor that is not contiguous gets None: its
-    views are made (copied) on every call.
+    channels) and the query are still checked on every call. Pools and tails that are contiguous within a block
+    (sequence) but strided along it (:func:`_flat`) share memory too and are kept like contiguous ones. A tail,
+    table, length or sink tensor laid out otherwise gets None: its views are made (copied) on every call
+    (such pools are refused, see :func:`_block_stride`).
     """
 
     def __init__(self) -> None:
@@ -184,7 +193,7 @@ def _entry(kv: PagedKV) -> _ViewState:
 
 def _live(t: torch.Tensor | None) -> tuple | None:
     """:func:`_views` of ``t`` if they share its memory (None: ``t`` must be converted on every call)."""
-    return _views(t) if t is None or t.is_contiguous() else None
+    return _views(t) if t is None or _inner_contiguous(t) else None
 
 
 def _live_array(t: torch.Tensor) -> np.ndarray | None:
@@ -204,12 +213,15 @@ def _prepare(kv: PagedKV) -> _ViewState:
     if kv.v_data.shape[0] != kv.k_data.shape[0]:
         raise ShapeError(f"key and value pools differ in blocks: {kv.k_data.shape[0]} vs {kv.v_data.shape[0]}")
     tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
-    for tp, src in ((tpk, kp), (tpv, vp)):  # the tails: passthrough rows in the blocks' plane order
+    # the tails: passthrough rows in the blocks' plane order
+    for tp, src, tail in ((tpk, kp, kv.tail_k), (tpv, vp, kv.tail_v)):
         tp[nbm.P_KIND] = nbm.FLT
         tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
         tp[nbm.P_PER] = src[nbm.P_PER]
         tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
         tp[nbm.P_ROW] = kv.head_dim
+        # sequences of a tail read in place are stride(0) apart; one copied per call (_views) is contiguous
+        tp[nbm.P_BST] = _block_stride(tail, "tail") if _inner_contiguous(tail) else tail[0].numel()
     state.kp, state.vp, state.tpk, state.tpv = kp, vp, tpk, tpv
     state.k_data, state.v_data = _live(kv.k_data), _live(kv.v_data)
     state.views = tuple(_live(t) for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier,
@@ -235,15 +247,63 @@ _DUMMY = (np.zeros(1, np.uint8), np.zeros(1, np.uint16), np.zeros(1, np.float32)
 
 
 def _views(t: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flat (uint8, uint16, float32) numpy views of a tensor's bytes; the slots that do not apply are dummies."""
+    """Flat (uint8, uint16, float32) numpy views of a tensor's elements; the slots that do not apply are dummies.
+    They share ``t``'s memory when it is contiguous within its first axis (:func:`_flat`), else hold a contiguous
+    copy."""
     if t is None:
         return _DUMMY
-    t = (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+    t = _flat(t) if _inner_contiguous(t) else t.contiguous().reshape(-1)
     if t.element_size() == 1:
         return (t.view(torch.uint8).numpy(), _DUMMY[1], _DUMMY[2])
     if t.element_size() == 2:
         return (_DUMMY[0], t.view(torch.int16).numpy().view(np.uint16), _DUMMY[2])
     return (_DUMMY[0], _DUMMY[1], t.float().numpy())
+
+
+def _block_layout(t: torch.Tensor) -> str | None:
+    """Why the kernel cannot read ``t`` in place as blocks ``stride(0)`` elements apart (None: it can): each
+    block (``t[n]``) must be contiguous (axes of size 1 may have any stride, as in
+    :meth:`torch.Tensor.is_contiguous`), blocks must not overlap, and the address must be a multiple of the
+    element size (numba's typed views)."""
+    if t.dim() == 0:
+        return "a 0-d tensor has no block axis"
+    want = 1
+    for n, st in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if n != 1 and st != want:
+            return f"not contiguous within a block (shape {tuple(t.shape)}, strides {t.stride()})"
+        want *= n
+    if t.shape[0] > 1 and t.stride(0) < want:
+        return f"its blocks overlap: stride(0)={t.stride(0)} is smaller than a block ({want} elements)"
+    if t.data_ptr() % t.element_size():
+        return f"its address {t.data_ptr():#x} is not a multiple of its element size ({t.element_size()} bytes)"
+    return None
+
+
+def _inner_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be read in place as blocks ``stride(0)`` elements apart (see :func:`_block_layout`)."""
+    return _block_layout(t) is None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D tensor of ``t``'s elements from its first to its last, sharing its memory (``t`` as
+    :func:`_block_layout` requires): element ``i`` of block ``n`` is at ``n * stride(0) + i``. Elements between
+    blocks (other pools of the same pages, padding) are in it but never read."""
+    if t.is_contiguous():
+        return t.reshape(-1)
+    n = (t.shape[0] - 1) * t.stride(0) + t[0].numel() if t.shape[0] else 0
+    return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def _block_stride(t: torch.Tensor, name: str) -> int:
+    """Elements between consecutive blocks of ``t`` (its ``stride(0)``; a block's size when there is one block, or
+    ``t`` is contiguous); :class:`ShapeError` unless the kernel can read it in place (:func:`_block_layout`)."""
+    why = _block_layout(t)
+    if why is not None:
+        raise ShapeError(
+            f"{name} cannot be read by the CPU kernel: {why}; pools may be strided along the block axis only "
+            "(each block contiguous)"
+        )
+    return t.stride(0) if t.shape[0] > 1 else t[0].numel()
 
 
 @lru_cache(maxsize=1)
@@ -306,7 +366,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
 
 
 def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
-    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape."""
+    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape, and that
+    the payload, scale and zero-point pools can be read in place (:func:`_block_stride`: their block strides)."""
     nbm = _nb()
     h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
     want = payload_torch_dtype(spec)
@@ -317,6 +378,7 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
             f"{role} payload must be [num_blocks, {h}, {b}, {spec.packed_head_dim(d)}], got {tuple(payload.shape)}"
         )
     p = np.zeros(nbm.N_PARAMS, np.int64)
+    p[nbm.P_BST] = _block_stride(payload, f"{role} payload")
     p[nbm.P_PER] = 1
     p[nbm.P_HS] = p[nbm.P_TS] = p[nbm.P_CS] = 1
     p[nbm.P_ROW] = spec.packed_head_dim(d)
@@ -337,6 +399,11 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
     p[nbm.P_SKIND] = _SCALE_KIND[spec.scale_dtype]
     p[nbm.P_ZKIND] = _SCALE_KIND[spec.zero_dtype] if spec.has_zero else nbm.SC_NONE
     p[nbm.P_HS], p[nbm.P_TS], p[nbm.P_CS] = spec.scale_shape(h, b, d)
+    scale, zero = (kv.k_scale, kv.k_zero) if role == "key" else (kv.v_scale, kv.v_zero)
+    if scale is not None:  # missing scales are reported by _check_scales
+        p[nbm.P_SBST] = _block_stride(scale, f"{role} scale")
+    if spec.has_zero and zero is not None:
+        p[nbm.P_ZBST] = _block_stride(zero, f"{role} zero")
     p[nbm.P_DOT] = _int_dot_limit(spec, int(p[nbm.P_KIND]), kv, role)
     if role == "key" and kv.k_outlier is not None:
         p[nbm.P_NOUT] = kv.k_outlier.shape[-1]
@@ -393,6 +460,12 @@ def _check_outliers(kv: PagedKV) -> None:
         raise ShapeError(
             "k_outlier and k_outlier_idx come together: pass both residuals and channel indices, or neither"
         )
+    for name, t in (("k_outlier", kv.k_outlier), ("k_outlier_idx", kv.k_outlier_idx)):
+        if not t.is_contiguous():  # the kernel indexes them as [num_blocks * H, ...] (no block stride)
+            raise ShapeError(
+                f"{name} must be contiguous for the CPU kernel (outlier pools take no block stride), "
+                f"got strides {t.stride()}; pass {name}.contiguous()"
+            )
     nb, h, b, k = kv.k_data.shape[0], kv.kv_heads, kv.block_size, kv.k_outlier.shape[-1]
     if tuple(kv.k_outlier.shape) != (nb, h, b, k) or kv.k_outlier.dtype != torch.float16:
         raise ShapeError(

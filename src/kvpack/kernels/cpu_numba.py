@@ -3,8 +3,10 @@
 
 One set of compiled functions serves every format, so the code is compiled once per machine: pools
 arrive flattened as tuples of typed views ``(uint8, uint16, float32)`` (only the slot a spec uses is real,
-the others are 1-element dummies) and a spec is a small int vector (the ``P_*`` indices). The decoder is
-compiled once per payload kind (``literally``), everything else is kind-independent.
+the others are 1-element dummies) and a spec is a small int vector (the ``P_*`` indices). A pool is
+contiguous within a block; its block stride is a parameter (``P_BST``, ``P_SBST``, ``P_ZBST``), so pools
+that are views into larger pages per block are read in place. The decoder is compiled once per payload
+kind (``literally``), everything else is kind-independent.
 
 Math per sealed block of ``B`` tokens, for the ``G`` query heads of one kv head (its K/V read once):
 
@@ -81,8 +83,11 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
 (P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR,
- P_MULTI) = range(15)  # fmt: skip
-N_PARAMS = 15
+ P_MULTI, P_BST, P_SBST, P_ZBST) = range(18)  # fmt: skip
+N_PARAMS = 18
+# P_BST, P_SBST, P_ZBST: elements between consecutive blocks of the payload, scale and zero-point pools (of the
+# flat array each is read as; for a tail, between sequences). A pool is contiguous within a block; its blocks
+# may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0.
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -1328,14 +1333,29 @@ def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc,
 
 
 @njit(inline="always", **_NOREF)
-def _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, rs, t):
+def _near_rows(tables, b, j, jp, tail, p, h, bs, t):
     """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
     prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
-    it measured slower: int4 and int2 at head_dim 128, int8 at 64)."""
+    it measured slower: int4 and int2 at head_dim 128, int8 at 64). ``p``: the payload's spec parameters."""
+    rs = U64(p[P_ROW])
     if tail or j + 1 >= jp or rs < 128:
         return U64(0)
     nxt = np.int64(tables[b, j + 1])
-    return U64(nxt * kv_heads + h) * U64(bs) * rs + U64(t) * rs if nxt else U64(0)
+    return _row0(p, nxt, h, bs) + U64(t) * rs if nxt else U64(0)
+
+
+@njit(inline="always", **_NOREF)
+def _row0(p, blk, h, bs):
+    """Flat offset of head ``h``'s first row in block ``blk`` of a payload pool ``[num_blocks, H, B, P[P_ROW]]``
+    (or of sequence ``blk`` in a tail): the block stride ``p[P_BST]`` need not be ``H * B * P[P_ROW]``."""
+    return U64(blk) * U64(p[P_BST]) + U64(h) * U64(bs) * U64(p[P_ROW])
+
+
+@njit(inline="always", **_NOREF)
+def _scale0(p, blk, hs, zero):
+    """Flat offset of head slot ``hs``'s ``P_TS * P_CS`` scales (``zero``: zero-points) in block ``blk`` of a scale
+    pool ``[num_blocks, Hs, Ts, Cs]``, whose block stride ``p[P_SBST]`` (``p[P_ZBST]``) need not be ``Hs * Ts * Cs``."""
+    return U64(blk) * U64(p[P_ZBST] if zero else p[P_SBST]) + U64(hs) * U64(p[P_TS] * p[P_CS])
 
 
 @njit(inline="always", **_NOREF)
@@ -1357,11 +1377,10 @@ def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf
     d = qp.shape[1]
     kper, kskind, kcs = kp[P_PER], kp[P_SKIND], kp[P_CS]
     kdp = d // kper
-    so = U64((idx * kp[P_HS] + khs) * kcs)
     kzt = kp[P_ZKIND] != SC_NONE or kfoff != 0  # a per-block constant kc to compute
-    _scales(kscl, kskind, so, kcs, sk)
+    _scales(kscl, kskind, _scale0(kp, idx, khs, False), kcs, sk)
     if kzt:
-        _scales(kzero, kp[P_ZKIND], so, kcs, zk)
+        _scales(kzero, kp[P_ZKIND], _scale0(kp, idx, khs, True), kcs, zk)
     pks = sk if (kcs > 1 and kper == 1) else pk  # the scales in the keys' plane order
     if kcs == 1:
         for i in range(d):
@@ -1412,9 +1431,8 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
     """Prefetch the scales and zero-points of block ``blk`` (0: none), head slot ``hs``: a few scattered lines."""
     if blk:
         n = p[P_TS] * p[P_CS]
-        o = U64((blk * p[P_HS] + hs) * n)
-        _prefetch_scales(scl, p[P_SKIND], o, n)
-        _prefetch_scales(zero, p[P_ZKIND], o, n)
+        _prefetch_scales(scl, p[P_SKIND], _scale0(p, blk, hs, False), n)
+        _prefetch_scales(zero, p[P_ZKIND], _scale0(p, blk, hs, True), n)
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
@@ -1460,11 +1478,11 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         vnx = np.int64(tables[b, jj + vfar]) if (vfar and jj + vfar < jp) else np.int64(0)
         _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
         _fold_keys(kscl, kzero, kp, idx, khs, _ZERO, kcbar, kunit, True, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
-        kbase = U64(idx * kv_heads + h) * ubs * krs
-        knext = U64(nxt * kv_heads + h) * ubs * krs if nxt else U64(0)
+        kbase = _row0(kp, idx, h, bs)
+        knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
         for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
             kpf = knext if g0 == 0 else U64(0)
-            kpf1 = _near_rows(tables, b, jj, jp, False, kv_heads, h, bs, krs, 0) if g0 == 0 else U64(0)
+            kpf1 = _near_rows(tables, b, jj, jp, False, kp, h, bs, 0) if g0 == 0 else U64(0)
             _kdot_int(kp[P_KIND], kpay[0], kbase, krs, bs // 4, q16, g0 * d, kdp // 32, qinv, g0, msc,
                       g0 * lw + i * bs, lw, kp[P_OFF], mpk, i * g4 + g0, kpf, kpf1)  # fmt: skip
         col = U64(i * bs)
@@ -1501,9 +1519,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     flim = np.float32(vp[P_DOT])
     for i in range(nb):
         idx = np.int64(tables[b, j + i])
-        so = U64((idx * vp[P_HS] + vhs) * nsv)
         svi = msv[i]
-        _scales_t(vscl, vp[P_SKIND], so, vts, vcs, pk, svi)
+        _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vts, vcs, pk, svi)
         mbits = np.int32(0)
         for e in range(U64(nsv)):
             mbits = _max_i32(mbits, _abs_bits(svi[e]))
@@ -1511,7 +1528,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         col = U64(i * bs)
         if vz:
             zvi = mzv[i]
-            _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zvi)
+            _scales_t(vzero, vp[P_ZKIND], _scale0(vp, idx, vhs, True), vts, vcs, pk, zvi)
             for grp in range(vcs):
                 gb = U64(grp * vts)
                 for g in range(g_n):
@@ -1545,12 +1562,12 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     for i in range(nb):
         jj = j + i
         idx = np.int64(tables[b, jj])
-        vbase = U64(idx * kv_heads + h) * ubs * vrs
+        vbase = _row0(vp, idx, h, bs)
         vnx = np.int64(tables[b, jj + vfar]) if (vfar and jj + vfar < jp) else np.int64(0)
-        vnext = U64(vnx * kv_heads + h) * ubs * vrs if vnx else U64(0)
+        vnext = _row0(vp, vnx, h, bs) if vnx else U64(0)
         for g0 in range(0, g_n, 4):
             vpf = vnext if g0 == 0 else U64(0)
-            vpf1 = _near_rows(tables, b, jj, jp, False, kv_heads, h, bs, vrs, 0) if g0 == 0 else U64(0)
+            vpf1 = _near_rows(tables, b, jj, jp, False, vp, h, bs, 0) if g0 == 0 else U64(0)
             _vdot_int(vp[P_KIND], vpay[0], vbase, vrs, bs // 2, mw, g0 * ngv * lw + i * bs, 2 * lw, acc, g0 * d, d,
                       vdp, mwinv[i], g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
 
@@ -1620,12 +1637,12 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         # ids: no hardware prefetch); 0 for none
         nxt = np.int64(tables[b, j + kfar]) if (kfar and not tail and j + kfar < jp) else np.int64(0)
         vnx = np.int64(tables[b, j + vfar]) if (vfar and not tail and j + vfar < jp) else np.int64(0)
-        knext = U64(nxt * kv_heads + h) * U64(bs) * krs if nxt else U64(0)
-        vnext = U64(vnx * kv_heads + h) * U64(bs) * vrs if vnx else U64(0)
+        knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
+        vnext = _row0(vp, vnx, h, bs) if vnx else U64(0)
         _prefetch_block_scales(kscl, kzero, kp, nxt, khs)  # its scales and zero-points too
         _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
         # ---- keys -> base-2 logits sc[g, t] + kc[g]
-        kbase = U64(idx * kv_heads + h) * U64(bs) * krs
+        kbase = _row0(kp, idx, h, bs)
         qsrc = qp
         for g in range(g_n):
             kc[g] = _ZERO
@@ -1635,16 +1652,15 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             qsrc = qf
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
-            so = U64((idx * kp[P_HS] + khs) * bs * kcs)
-            _scales_t(kscl, kskind, so, bs, kcs, pk, sk)  # sk[grp * bs + t]
-            _scales_t(kzero, kp[P_ZKIND], so, bs, kcs, pk, zk)
+            _scales_t(kscl, kskind, _scale0(kp, idx, khs, False), bs, kcs, pk, sk)  # sk[grp * bs + t]
+            _scales_t(kzero, kp[P_ZKIND], _scale0(kp, idx, khs, True), bs, kcs, pk, zk)
         for g in range(g_n):
             mxb[g] = -np.inf
         if kint:  # rows from t0 rounded down to 4 (they exist: block_size is a multiple of 4), max over [t0, t1)
             ta = t0 - t0 % 4
             for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
-                kpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, krs, ta) if g0 == 0 else U64(0)
+                kpf1 = _near_rows(tables, b, j, jp, tail, kp, h, bs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
                           qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kmx, g0, kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
@@ -1694,11 +1710,10 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                 ls += p
             _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
         # ---- values: the per-token (group) scale folded into the weight, zero-points summed per group
-        vbase = U64(idx * kv_heads + h) * U64(bs) * vrs
+        vbase = _row0(vp, idx, h, bs)
         if vskind != SC_NONE:
-            so = U64((idx * vp[P_HS] + vhs) * vts * vcs)
-            _scales_t(vscl, vskind, so, vts, vcs, pk, sv)  # sv[grp * vts + t]
-            _scales_t(vzero, vp[P_ZKIND], so, vts, vcs, pk, zv)
+            _scales_t(vscl, vskind, _scale0(vp, idx, vhs, False), vts, vcs, pk, sv)  # sv[grp * vts + t]
+            _scales_t(vzero, vp[P_ZKIND], _scale0(vp, idx, vhs, True), vts, vcs, pk, zv)
             for grp in range(vcs if (vp[P_ZKIND] != SC_NONE or vzoff != 0) else 0):
                 # zero-point / offset terms: sum_t p * (z - off * s), per group
                 gb = U64(grp * vts)
@@ -1733,7 +1748,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                     winv[g] *= vunit
             for g0 in range(0, g_n, 4):
                 vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
-                vpf1 = _near_rows(tables, b, j, jp, tail, kv_heads, h, bs, vrs, ta) if g0 == 0 else U64(0)
+                vpf1 = _near_rows(tables, b, j, jp, tail, vp, h, bs, ta) if g0 == 0 else U64(0)
                 _vdot_int(vp[P_KIND], vpay[0], vbase + U64(ta) * vrs, vrs, (tb - ta) // 2, w16, g0 * ngv * bs,
                           2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
         for t in range(t0, t1 if not vint else t0, TILE):
@@ -1926,8 +1941,10 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
 
     q: ``[batch, Hq, D]`` float32. kpay/vpay: flat (uint8, uint16, float32) views of the payload pools
     ``[num_blocks, H, B, P]``; kscl/vscl, kzero/vzero: flat views of ``[num_blocks, Hs, Ts, Cs]``; kp/vp:
-    int64 spec parameters (``P_*``); tailk/tailv: flat views of the tails ``[batch, H, B, D]``, read with
-    the passthrough specs tpk/tpv (same plane order as kp/vp); tables: ``[batch, max_blocks]`` int32;
+    int64 spec parameters (``P_*``; a pool is contiguous within a block, its blocks ``P_BST`` / ``P_SBST`` /
+    ``P_ZBST`` elements apart); tailk/tailv: flat views of the tails ``[batch, H, B, D]``, read with
+    the passthrough specs tpk/tpv (same plane order as kp/vp; ``P_BST``: elements between sequences);
+    tables: ``[batch, max_blocks]`` int32;
     seq_lens, start_pos: ``[batch]`` int32; window: -1 for none; qscale: ``sm_scale * log2(e)``;
     items: from :func:`plan`; kout, kidx: outlier key channels (see :func:`_attend`).
     Writes the partial results pm, pl ``[n_items, G]`` (base-2 max, sum) and

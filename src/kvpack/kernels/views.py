@@ -2,8 +2,14 @@
 
 The cache (:mod:`kvpack.cache`) builds these; every attention backend reads them. Layout per layer:
 
-* payload and scales in separate contiguous pools, indexed by block id (block 0 is the null block);
+* payload and scales in separate pools, indexed by block id (block 0 is the null block);
 * per sequence a row of ``block_tables`` and a full-precision tail of one block.
+
+A pool may be strided along its block axis: contiguous within a block (``pool[n]``), its blocks ``stride(0)``
+elements apart, at least a block's size, so the pools can be views into one page per block that holds all of
+them (vLLM's layout: ``k_data``, ``k_scale``, ... at their own byte offsets in the page, ``stride(0)`` = the
+page size in each pool's elements). Every backend reads such pools in place; the CPU kernel refuses other
+layouts (:mod:`kvpack.kernels.cpu`) and outlier pools that are not contiguous.
 
 A sequence of ``seq_len`` tokens has ``seq_len // block_size`` sealed blocks (its first entries of
 ``block_tables``) and ``seq_len % block_size`` tokens in its tail: the tail is sealed the moment it holds
@@ -26,6 +32,11 @@ __all__ = ["PagedKV", "check_sink", "refuse_rotated"]
 @dataclass(frozen=True)
 class PagedKV:
     """One layer's paged K/V cache for a batch of sequences, as attention kernels consume it.
+
+    Pools (``k_data``, ``k_scale``, ``k_zero``, ``v_data``, ``v_scale``, ``v_zero``) may be strided along the block
+    axis (views into one page per block): each block ``pool[n]`` contiguous, ``pool.stride(0)`` at least its
+    element count and aligned to the element size; the tails may be strided along the batch axis the same way.
+    ``k_outlier`` / ``k_outlier_idx`` must be contiguous for the CPU kernel.
 
     Attributes:
         format: the cache format (key spec, value spec, block size ``B``).
