@@ -5,13 +5,19 @@ A few key channels per head run much larger than the rest, for every token. A ke
 
 1. choose the channels: the block's ``k`` largest by abs-max over its tokens (:func:`seal_time_channels`),
    or given (a calibration artifact's top-k per layer and head, copied into every block);
-2. overwrite the kept channels with a *neutral fill* (the smallest unmasked value of their scale group, 0
-   where the whole group is kept) so the remainder's scales ignore the outliers, then quantize as usual;
+2. quantize with the kept channels left out of the scales (:func:`quantize_kept`): scales come from the
+   block with the kept channels *neutrally filled* (:func:`neutral_fill`), and each kept element stores
+   whichever code makes it reconstruct best (the fill's, or its own clipped to the scales' range);
 3. store the fp16 *residual* ``x - dequantize(payload)`` at the kept channels.
 
 Reconstruction: ``k = dequantize(payload); k[..., idx] += residual.float()`` (:func:`apply_residual`); a
 kernel adds ``sum_j q[idx_j] * residual[t, j]`` to the score of token ``t``. Because the residual is taken
 against the stored payload, it also works with static (calibrated) scales.
+
+The guarantee: every kept channel of a block reconstructs with a largest error (over the block's tokens) no
+larger than the spec without outliers gives it, for every finite input; a symmetric spec reconstructs kept
+fp16 values exactly. A residual past the fp16 range saturates only where that is still no worse: otherwise
+the scale groups of that channel are sealed as the spec without outliers seals them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import QuantSpec
-from kvpack.quant import QuantizedTensor, _raise_non_finite, dequantize, quantize
+from kvpack.quant import QuantizedTensor, _raise_non_finite, choose_qparams, dequantize, quantize
 
 __all__ = [
     "OutlierBlocks",
@@ -34,6 +40,7 @@ __all__ = [
     "neutral_fill",
     "outlier_mask",
     "outlier_residual",
+    "quantize_kept",
     "quantize_outliers",
     "seal_time_channels",
 ]
@@ -76,17 +83,42 @@ def outlier_mask(channels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return m.unsqueeze(-2).expand(*lead, h, t, d)
 
 
-def neutral_fill(x: torch.Tensor, mask: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``x`` ``[..., H, T, D]`` float32 with masked elements replaced by the smallest unmasked value of their
-    scale group (0 where the whole group is masked), so the remainder's scales ignore the outliers."""
-    h, t, d = x.shape[-3:]
+def _group_view(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """View ``[..., H, T, D]`` as ``[..., Hs, H/Hs, Ts, T/Ts, Cs, D/Cs]``: the spec's scale groups."""
+    *lead, h, t, d = x.shape
     hs, ts, cs = spec.scale_shape(h, t, d)
-    lead = x.shape[:-3]
-    grouped = torch.where(mask, torch.full_like(x, float("inf")), x).reshape(
-        *lead, hs, h // hs, ts, t // ts, cs, d // cs
-    )
-    fill = grouped.amin(dim=(-1, -3, -5), keepdim=True).expand_as(grouped).reshape(x.shape)
-    fill = torch.where(torch.isinf(fill), torch.zeros_like(fill), fill)
+    return x.reshape(*lead, hs, h // hs, ts, t // ts, cs, d // cs)
+
+
+def _group_reduce(x: torch.Tensor, spec: QuantSpec, op: str) -> torch.Tensor:
+    """Reduce float ``[..., H, T, D]`` over each scale group with ``op`` (``"amin"``/``"amax"``) to
+    ``[..., Hs, Ts, Cs]``."""
+    return getattr(_group_view(x, spec), op)(dim=(-1, -3, -5))
+
+
+def _per_group(x: torch.Tensor, spec: QuantSpec, op: str) -> torch.Tensor:
+    """Reduce float ``[..., H, T, D]`` over each scale group with ``op`` and broadcast back to ``[..., H, T, D]``."""
+    g = _group_view(x, spec)
+    return getattr(g, op)(dim=(-1, -3, -5), keepdim=True).expand_as(g).reshape(x.shape)
+
+
+def neutral_fill(x: torch.Tensor, mask: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``x`` ``[..., H, T, D]`` float32 with the masked (kept) elements replaced by a value that cannot widen
+    their scale group's range: 0 for a symmetric spec (it quantizes to code 0, which dequantizes to exactly
+    0), the nearest value of the group's unmasked range ``[min, max]`` for an asymmetric one; 0 where the
+    whole group is masked.
+
+    Args:
+        x: ``[..., H, T, D]`` float32.
+        mask: ``[..., H, T, D]`` bool, True at the kept channels.
+        spec: the key spec (its granularity gives the scale groups).
+    """
+    if not spec.has_zero:
+        return torch.where(mask, torch.zeros_like(x), x)
+    inf = torch.full_like(x, float("inf"))
+    lo = _per_group(torch.where(mask, inf, x), spec, "amin")  # +inf where the whole group is masked
+    hi = _per_group(torch.where(mask, -inf, x), spec, "amax")
+    fill = torch.where(torch.isinf(lo), torch.zeros_like(x), torch.minimum(torch.maximum(x, lo), hi))
     return torch.where(mask, fill, x)
 
 
@@ -142,7 +174,8 @@ def check_channels(channels: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def fill_outliers(x: torch.Tensor, spec: QuantSpec, channels: torch.Tensor) -> torch.Tensor:
-    """Step 2 of a seal: ``x`` ``[..., H, T, D]`` as float32 with the kept ``channels`` neutrally filled.
+    """``x`` ``[..., H, T, D]`` as float32 with the kept ``channels`` neutrally filled (what the scales and the
+    static clip count are taken on).
 
     Raises:
         NonFiniteError: ``x`` holds NaN or inf (checked first: a fill must never hide one).
@@ -155,12 +188,24 @@ def fill_outliers(x: torch.Tensor, spec: QuantSpec, channels: torch.Tensor) -> t
     return neutral_fill(xf, outlier_mask(channels, xf), spec)
 
 
+def _residual(x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """fp16 ``x - base`` ``[..., H, T, D]``, saturated at the fp16 range (never inf)."""
+    return (x - base).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+
+
+def _kept_error(x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """float64 ``|x - (base + residual)|`` ``[..., H, T, D]``: the error a kept element reconstructs with
+    when its payload dequantizes to ``base`` (the sum is taken in float32, as :func:`apply_residual` does)."""
+    rec = base + _residual(x, base).float()
+    return (x.double() - rec.double()).abs()
+
+
 def outlier_residual(x: torch.Tensor, qt: QuantizedTensor, channels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3 of a seal: the stored residuals and indices of the kept channels.
 
     Args:
         x: ``[..., H, T, D]`` the original (unfilled) blocks.
-        qt: the quantized filled blocks.
+        qt: the quantized blocks (:func:`quantize_kept`).
         channels: ``[H, k]`` or ``[..., H, k]`` integer indices.
 
     Returns:
@@ -169,11 +214,68 @@ def outlier_residual(x: torch.Tensor, qt: QuantizedTensor, channels: torch.Tenso
     """
     xf = x.float()
     gidx = _expand_idx(channels, xf)
-    residual = xf.gather(-1, gidx) - dequantize(qt).gather(-1, gidx)
-    residual = residual.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # saturate like the fp8 casts
+    residual = _residual(xf.gather(-1, gidx), dequantize(qt).gather(-1, gidx))
     k = channels.shape[-1]
     idx = channels.to(x.device).expand(*x.shape[:-2], k).to(index_dtype(x.shape[-1])).contiguous()
     return residual.contiguous(), idx
+
+
+def quantize_kept(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    channels: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """Step 2 of a seal: the payload of ``x`` with the kept ``channels``, chosen so that every kept channel
+    reconstructs (payload + fp16 residual) at least as well as the spec without outliers gives it.
+
+    1. Scales: given (static), or chosen from the neutrally filled blocks (:func:`neutral_fill`), so the
+       kept channels cannot widen them; a scale group that holds only kept elements gets the scales of its
+       own values (nothing else reads them).
+    2. Each kept element's code is the better of two: the fill's (0 for a symmetric spec: the residual is
+       then ``x`` itself, exact for every fp16 value) and ``x``'s own, clipped to the scales' range (the
+       code the spec without outliers stores under the same scales).
+    3. Block-local scales only: where a kept channel's largest error over the block's tokens would still
+       exceed the spec without outliers' (a residual past the fp16 range), the scale groups holding that
+       channel are sealed as that spec seals them (its scales, ``x``'s codes): the residuals are then the
+       plain quantization error, which the fp16 rounding can only shrink.
+
+    Args:
+        x: ``[..., H, T, D]`` float, finite.
+        spec: the key spec.
+        channels: ``[H, k]`` or ``[..., H, k]`` integer indices.
+        scale, zero: stored scales ``[..., Hs, Ts, Cs]``; ``None`` chooses them (block-local).
+
+    Returns:
+        The quantized ``[..., H, T, D]`` payload, scales and zero-points.
+    """
+    xf = x.float()
+    mask = outlier_mask(channels, xf)
+    filled = neutral_fill(xf, mask, spec)
+    local = scale is None
+    if local:
+        scale, zero = choose_qparams(filled, spec)
+        own_s, own_z = choose_qparams(xf, spec)  # the spec without outliers
+        only_kept = _group_reduce(mask.float(), spec, "amin") > 0  # [..., Hs, Ts, Cs]
+        scale = torch.where(only_kept, own_s, scale)
+        zero = None if zero is None else torch.where(only_kept, own_z, zero)
+    base_fill = dequantize(quantize(filled, spec, scale, zero))
+    base_own = dequantize(quantize(xf, spec, scale, zero))
+    use_own = mask & (_kept_error(xf, base_own) < _kept_error(xf, base_fill))
+    payload = torch.where(use_own, xf, filled)
+    if local:
+        # per kept channel (its largest error over the block's tokens): never worse than without outliers
+        plain_err = torch.where(mask, (xf.double() - dequantize(quantize(xf, spec, own_s, own_z)).double()).abs(), 0)
+        base = torch.where(use_own, base_own, base_fill)
+        kept_err = torch.where(mask, _kept_error(xf, base), 0)
+        worse = mask & (kept_err.amax(-2, keepdim=True) > plain_err.amax(-2, keepdim=True))  # [..., H, T, D]
+        fall_back = _group_reduce(worse.float(), spec, "amax") > 0  # [..., Hs, Ts, Cs]
+        if fall_back.any():
+            scale = torch.where(fall_back, own_s, scale)
+            zero = None if zero is None else torch.where(fall_back, own_z, zero)
+            payload = torch.where(_per_group(worse.float(), spec, "amax") > 0, xf, payload)
+    return quantize(payload, spec, scale, zero)
 
 
 def quantize_outliers(
@@ -184,26 +286,27 @@ def quantize_outliers(
     zero: torch.Tensor | None = None,
     k: int | None = None,
 ) -> OutlierBlocks:
-    """Seal ``x`` keeping ``k`` channels per head as fp16 residuals (choose, fill, quantize, residual).
+    """Seal ``x`` keeping ``k`` channels per head as fp16 residuals (choose, quantize, residual).
 
     Args:
         x: ``[..., kv_heads, block_size, head_dim]`` float (one or more blocks).
         spec: the key spec (a ``static`` one needs ``scale``/``zero``).
         channels: ``[kv_heads, k]`` (calibrated, copied into each block) or ``[..., kv_heads, k]`` integer
             indices; ``None`` chooses them per block (:func:`seal_time_channels`).
-        scale, zero: stored scales ``[..., Hs, Ts, Cs]``; ``None`` chooses them from the filled blocks.
+        scale, zero: stored scales ``[..., Hs, Ts, Cs]``; ``None`` chooses them (:func:`quantize_kept`).
         k: channels per head when ``channels`` is ``None`` (default ``spec.outliers``).
 
     Raises:
         NonFiniteError: ``x`` holds NaN or inf (checked before anything is filled).
         ShapeError: ``channels`` does not match ``x`` or ``k`` is out of range.
+        CalibrationError: a ``static`` spec without ``scale``.
     """
     if not torch.isfinite(x).all():
         _raise_non_finite(x)
     if channels is None:
         channels = seal_time_channels(x, spec.outliers if k is None else k)
-    filled = fill_outliers(x, spec, channels)
-    qt = quantize(filled, spec, scale, zero)  # a static spec without scales is refused (CalibrationError)
+    check_channels(channels, x)
+    qt = quantize_kept(x, spec, channels, scale, zero)  # a static spec without scales: CalibrationError
     residual, idx = outlier_residual(x, qt, channels)
     return OutlierBlocks(qt, residual, idx)
 

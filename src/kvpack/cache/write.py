@@ -24,7 +24,7 @@ import torch
 
 from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
-from kvpack.outliers import fill_outliers, outlier_residual, seal_time_channels
+from kvpack.outliers import check_channels, outlier_mask, outlier_residual, quantize_kept, seal_time_channels
 from kvpack.quant import QuantizedTensor, _raise_non_finite, quantize
 from kvpack.rotation import rotate
 
@@ -142,8 +142,9 @@ def seal_outliers(
     scales: LayerScales | None = None,
     channels: torch.Tensor | None = None,
 ) -> tuple[QuantizedTensor, int, tuple[torch.Tensor, torch.Tensor]]:
-    """Seal keys with outlier channels, always in torch: choose (or take) the channels, fill, quantize
-    (with static ``scales`` when the spec is static), and keep the residuals.
+    """Seal keys with outlier channels, always in torch: choose (or take) the channels, quantize with the
+    kept channels left out of the scales (:func:`kvpack.outliers.quantize_kept`; with static ``scales`` when
+    the spec is static), and keep the residuals. ``clipped`` counts the other channels only.
 
     Args:
         blocks: ``[n, H, B, D]`` full blocks.
@@ -155,11 +156,15 @@ def seal_outliers(
         _raise_non_finite(blocks)
     if channels is None:
         channels = seal_time_channels(blocks, spec.outliers)
-    filled = fill_outliers(blocks, spec, channels)
+    check_channels(channels, blocks)
     if spec.static:
-        qt, clipped = seal_with_static(filled, spec, scales)
+        laid, _ = seal_with_static(blocks, spec, scales)  # checks the scales and lays them out per block
+        qt = quantize_kept(blocks, spec, channels, laid.scale, laid.zero)
+        lo, hi = scales.limits()
+        outside = (blocks.float() < lo) | (blocks.float() > hi)
+        clipped = int((outside & ~outlier_mask(channels, blocks)).sum())  # kept channels never clip
     else:
-        qt, clipped = quantize(filled, spec), 0
+        qt, clipped = quantize_kept(blocks, spec, channels), 0
     return qt, clipped, outlier_residual(blocks, qt, channels)
 
 
