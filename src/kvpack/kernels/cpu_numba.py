@@ -1443,7 +1443,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     Per block, as in :func:`_attend`: the key scales folded into the int16 query, the key loop (scores into
     ``msc[:, i * B:]``, the block's constant ``kc`` added), the value scales, zero-point sums and int16 weights,
     the value loop; each block keeps its own weight bound (its largest ``p`` times its largest scale), so the
-    results equal the one-block path's up to float rounding. Once per run: the max, the exponentials and
+    results equal the one-block path's up to rounding (float rounding, plus for asymmetric int4 keys with int4
+    group values a few int16 weight roundings flipped by float32 association: 7.7e-5 at most measured). Once per run: the max, the exponentials and
     their sum, the rescale of the accumulator (fixed costs that made up ~10% of an int8 block's time).
     ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
     ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points

@@ -11,7 +11,9 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
-     "engine_kwargs": {...more vllm.LLM arguments}}
+     "warmup": true, "engine_kwargs": {...more vllm.LLM arguments}}
+
+``warmup`` runs one short request first, outside the counts and the timing (kernel compilation, first calls).
 
 The result: ``outputs`` (generated token ids per prompt), ``cached_tokens`` (prompt tokens served from the prefix
 cache, per prompt), ``num_blocks``, ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``,
@@ -101,6 +103,11 @@ def _main() -> None:
     kw.update(job.get("engine_kwargs") or {})
     llm = LLM(job["model"], **kw)
     core = llm.llm_engine.engine_core.engine_core
+    if job.get("warmup", True):  # compiled kernels and first-call costs out of the timing, for every provider
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=[7 + i % 50 for i in range(80)])], warm, use_tqdm=False)
+        while core.scheduler.has_requests():
+            llm.llm_engine.step()
     stats = {"steps": 0, "max_running": 0, "preemptions": 0}
     _instrument(core.scheduler, stats)
     num_blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
