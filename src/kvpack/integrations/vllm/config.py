@@ -13,6 +13,7 @@ import torch
 
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import KVFormat, parse_format
+from kvpack.sizing import vllm_tail_bytes
 
 __all__ = ["KERNELS", "Settings", "settings_from", "startup_reasons", "tail_pool_bytes"]
 
@@ -64,10 +65,8 @@ def settings_from(vllm_config: Any) -> Settings | None:
 
 
 def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seqs: int) -> int:
-    """Bytes of the full-precision tails: one block of K and V per layer for each of ``seqs`` running requests,
-    plus one scratch slot."""
-    es = torch.empty((), dtype=dtype).element_size()
-    return (seqs + 1) * num_layers * 2 * kv_heads * fmt.block_size * head_dim * es
+    """Bytes of the full-precision tails (:func:`kvpack.sizing.vllm_tail_bytes` for ``dtype``)."""
+    return vllm_tail_bytes(fmt, num_layers, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), seqs)
 
 
 def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:

@@ -29,10 +29,11 @@ import torch
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import KVFormat
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+from kvpack.sizing import VLLM_ALIGN, vllm_page
 
 __all__ = ["ALIGN", "PageLayout", "Region", "sink_dtype"]
 
-ALIGN = 16  # bytes: every region starts on a multiple, so any element type of a pool is aligned
+ALIGN = VLLM_ALIGN  # bytes: every region starts on a multiple, so any element type of a pool is aligned
 
 
 def sink_dtype(tail_dtype: torch.dtype) -> torch.dtype:
@@ -88,23 +89,24 @@ class PageLayout:
                 ["outlier key channels"],
             )
         h, b, d = kv_heads, fmt.block_size, head_dim
-        parts: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for prefix, spec in (("k", fmt.key), ("v", fmt.value)):
-            parts.append((f"{prefix}_data", payload_torch_dtype(spec), (h, b, spec.packed_head_dim(d))))
+            shapes[f"{prefix}_data"] = (payload_torch_dtype(spec), (h, b, spec.packed_head_dim(d)))
             shape = spec.scale_shape(h, b, d)
             if shape is not None:
-                parts.append((f"{prefix}_scale", scale_torch_dtype(spec.scale_dtype), shape))
-                if spec.has_zero:
-                    parts.append((f"{prefix}_zero", scale_torch_dtype(spec.zero_dtype), shape))
-        if fmt.sink:
-            sd = sink_dtype(tail_dtype)
-            parts += [("sink_k", sd, (h, fmt.sink, d)), ("sink_v", sd, (h, fmt.sink, d))]
-        regions, offset = [], 0
-        for name, dtype, shape in parts:
+                shapes[f"{prefix}_scale"] = (scale_torch_dtype(spec.scale_dtype), tuple(shape))
+                shapes[f"{prefix}_zero"] = (scale_torch_dtype(spec.zero_dtype), tuple(shape))
+        shapes["sink_k"] = shapes["sink_v"] = (sink_dtype(tail_dtype), (h, fmt.sink, d))
+        es = torch.empty((), dtype=tail_dtype).element_size()
+        page = vllm_page(fmt, h, d, es)  # the byte accounting kvpack size uses; the views follow it
+        regions = []
+        for name, offset, nbytes in page.regions:
+            dtype, shape = shapes[name]
             region = Region(name, dtype, tuple(int(x) for x in shape), offset)
+            if region.nbytes != nbytes:  # pragma: no cover - the two accountings must agree
+                raise AssertionError(f"{name}: {region.nbytes} bytes from its shape, {nbytes} counted")
             regions.append(region)
-            offset += -(-region.nbytes // ALIGN) * ALIGN
-        cell = -(-offset // b)
+        cell = page.cell_bytes
         return cls(fmt, h, d, tail_dtype, tuple(regions), cell)
 
     @property
@@ -165,7 +167,3 @@ class PageLayout:
             out[r.name] = view
             out[r.name + "_bytes"] = raw
         return out
-
-    def tokens_for_space(self, space_bytes: int, num_layers: int) -> int:
-        """Tokens vLLM can hold in ``space_bytes`` of KV cache: whole pages of every layer."""
-        return (space_bytes // (self.page_bytes * num_layers)) * self.block_size
