@@ -9,6 +9,7 @@ bound on the logit difference under teacher forcing.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 import warnings
@@ -113,7 +114,9 @@ def test_greedy_matches_dynamic_cache(models, arch):
     ids, mask = _batch()
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     cache = kvpack.hf.cache_for(model, EXACT, batch_size=2)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **{kt.cache_kwarg(model): cache}
+    )
     assert torch.equal(out, ref)
     # every decode step of every layer ran the fused kernel, none the reference
     assert cache.fused_decode_calls == (NEW - 1) * _layers(model)
@@ -123,10 +126,11 @@ def test_greedy_matches_dynamic_cache(models, arch):
 
 def _teacher_forced_logits(model, cache, seq: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Logits predicting tokens ``prompt_len..`` of ``seq``: prefill the prompt, then one token per step."""
-    out = model(input_ids=seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], cache=cache)
+    kw = {kt.cache_kwarg(model): cache}
+    out = model(input_ids=seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], **kw)
     logits = [out.logits[:, -1]]
     for i in range(prompt_len, seq.shape[1] - 1):
-        out = model(input_ids=seq[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache)
+        out = model(input_ids=seq[:, i : i + 1], attention_mask=mask[:, : i + 1], **kw)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
@@ -187,10 +191,10 @@ def test_question_after_cached_document_reads_the_quantized_history(models):
     g = torch.Generator().manual_seed(3)
     doc, question = torch.randint(0, VOCAB, (1, 150), generator=g), torch.randint(0, VOCAB, (1, 30), generator=g)
     one = kvpack.hf.cache_for(model, "int4")
-    whole = model(input_ids=torch.cat([doc, question], 1), cache=one).logits[:, -30:]
+    whole = model(input_ids=torch.cat([doc, question], 1), **{kt.cache_kwarg(model): one}).logits[:, -30:]
     two = kvpack.hf.cache_for(model, "int4")
-    model(input_ids=doc, cache=two)
-    later = model(input_ids=question, cache=two).logits
+    model(input_ids=doc, **{kt.cache_kwarg(model): two})
+    later = model(input_ids=question, **{kt.cache_kwarg(model): two}).logits
     assert_close(later, whole, atol=1e-4, rtol=1e-4)
     # and the quantized history does matter: a full-precision cache gives other logits
     dense = model.set_attn_implementation("sdpa") or model(input_ids=torch.cat([doc, question], 1)).logits[:, -30:]
@@ -203,7 +207,12 @@ def test_beam_search_fp16_matches_dynamic_cache_and_shares_blocks(models):
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, num_beams=3, do_sample=False)
     cache = kvpack.hf.cache_for(model, "fp16", batch_size=6)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=40, num_beams=3, do_sample=False, cache=cache
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=40,
+        num_beams=3,
+        do_sample=False,
+        **{kt.cache_kwarg(model): cache},
     )
     assert torch.equal(out, ref)
     report = cache.memory_report()
@@ -216,7 +225,7 @@ def test_reorder_shares_sealed_blocks_without_copies(models):
     model = models["qwen2"]
     cache = kvpack.hf.cache_for(model, "int8", batch_size=3)
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, VOCAB, (3, 130)), cache=cache)
+        model(input_ids=torch.randint(0, VOCAB, (3, 130)), **{kt.cache_kwarg(model): cache})
     before = cache.memory_report().used_blocks
     free_before = cache.paged.pool.num_free
     cache.reorder_cache(torch.tensor([2, 2, 0]))
@@ -241,7 +250,9 @@ def test_assisted_generation_crops_and_matches_fp16():
     crops = []
     real_crop = cache.crop
     cache.crop = lambda n: (crops.append(n), real_crop(n))[1]
-    out = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, cache=cache, assistant_model=assistant)
+    out = model.generate(
+        input_ids=ids, max_new_tokens=NEW, do_sample=False, **{kt.cache_kwarg(model): cache}, assistant_model=assistant
+    )
     assert torch.equal(out, ref)
     assert sum(n < 0 for n in crops) > 10  # rejected draft tokens were rolled back, across the block boundary
     assert cache.get_seq_length() == out.shape[1] - 1
@@ -253,13 +264,13 @@ def test_crop_back_into_a_sealed_block(models):
     model = models["mistral"]
     ids = torch.randint(0, VOCAB, (1, 70), generator=torch.Generator().manual_seed(5))
     cache = kvpack.hf.cache_for(model, EXACT)
-    model(input_ids=ids, cache=cache)
+    model(input_ids=ids, **{kt.cache_kwarg(model): cache})
     cache.crop(-10)  # 70 -> 60 tokens: block 0 (tokens 0..63) returns to the tail
     assert cache.get_seq_length() == 60
-    cont = model(input_ids=ids[:, 60:], cache=cache).logits
+    cont = model(input_ids=ids[:, 60:], **{kt.cache_kwarg(model): cache}).logits
     dense = DynamicCache(config=model.config)
     model.set_attn_implementation("sdpa")
-    expected = model(input_ids=ids, cache=dense).logits[:, 60:]
+    expected = model(input_ids=ids, **{kt.cache_kwarg(model): dense}).logits[:, 60:]
     assert_close(cont, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -271,14 +282,16 @@ def test_sampling_matches_dynamic_cache(models):
     ref = model.generate(**kwargs)
     cache = kvpack.hf.cache_for(model, EXACT, batch_size=2)
     torch.manual_seed(7)
-    assert torch.equal(model.generate(**kwargs, cache=cache), ref)
+    assert torch.equal(model.generate(**kwargs, **{kt.cache_kwarg(model): cache}), ref)
 
 
 def test_nothing_full_precision_beyond_the_tail(models):
     model = models["llama"]
     ids, mask = _batch(prompt_len=150)
     cache = kvpack.hf.cache_for(model, "int4", batch_size=2)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache=cache)
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **{kt.cache_kwarg(model): cache}
+    )
     report = cache.memory_report()
     t, fmt = report.total, cache.format
     tail_slot = fmt.tail_bytes(cache.kv_heads, cache.head_dim, tail_element_bytes=4)  # fp32 model -> fp32 tail
@@ -292,13 +305,32 @@ def test_nothing_full_precision_beyond_the_tail(models):
     assert s["used_bytes"] < s["fp16_bytes"]
 
 
+def test_cache_kwarg_names_the_keyword_every_level_takes(models):
+    """``cache`` from transformers 5.24, ``past_key_values`` before: read from the signatures, and the same
+    name for the causal LM, its base model and an attention module (which receives the cache from its layer)."""
+    model = models["llama"]
+    name = kt.cache_kwarg(model)
+    assert name in ("cache", "past_key_values") and name in inspect.signature(model.forward).parameters
+    assert kt.cache_kwarg(model.model) == kt.cache_kwarg(model.model.layers[0].self_attn) == name
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, VOCAB, (1, 5)), **{name: cache})
+    assert cache.get_seq_length() == 5  # the model stored into the cache it was given, not a fresh one
+
+    class OnlyKwargs(torch.nn.Module):
+        def forward(self, **kwargs):
+            return kwargs
+
+    assert kt.cache_kwarg(OnlyKwargs()) == name  # no name in the signature: this transformers version's
+
+
 def test_other_attention_implementation_is_refused(models):
     model = models["llama"]
     cache = kt.KVPackCache(model.config, "int8")  # not switched: model still runs sdpa
     with pytest.raises(ConfigError, match="set_attn_implementation"):
-        model(input_ids=torch.randint(0, VOCAB, (1, 8)), cache=cache)
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)), **{kt.cache_kwarg(model): cache})
     model.set_attn_implementation("kvpack")
-    with pytest.raises(ConfigError, match="cache_for"):
+    with pytest.raises(ConfigError, match=f"pass {kt.cache_kwarg(model)}=kvpack.hf.cache_for"):  # this version's
         model(input_ids=torch.randint(0, VOCAB, (1, 8)), use_cache=False)
 
 
@@ -308,7 +340,7 @@ def test_right_padding_is_refused(models):
     mask[1, -3:] = 0
     cache = kvpack.hf.cache_for(model, "int8", batch_size=2)
     with pytest.raises(UnsupportedError, match="padding_side = 'left'"):
-        model(input_ids=ids, attention_mask=mask, cache=cache)
+        model(input_ids=ids, attention_mask=mask, **{kt.cache_kwarg(model): cache})
 
 
 def test_unsupported_layer_types_are_listed():
@@ -329,7 +361,12 @@ def test_fallback_to_reference_warns_once_and_is_counted(models, monkeypatch):
     cache = kvpack.hf.cache_for(model, "int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.generate(input_ids=torch.randint(0, VOCAB, (1, 20)), max_new_tokens=5, do_sample=False, cache=cache)
+        model.generate(
+            input_ids=torch.randint(0, VOCAB, (1, 20)),
+            max_new_tokens=5,
+            do_sample=False,
+            **{kt.cache_kwarg(model): cache},
+        )
     msgs = [str(w.message) for w in caught if "kvpack" in str(w.message)]
     assert len(msgs) == 1 and "pretend: no kernel" in msgs[0]
     assert cache.fused_decode_calls == 0 and cache.decode_backends == {"reference": 4 * _layers(model)}
@@ -339,7 +376,7 @@ def test_pool_exhaustion_says_how_to_size_the_cache(models):
     model = models["llama"]
     cache = kvpack.hf.cache_for(model, "int8", max_tokens=64)
     with pytest.raises(PoolExhaustedError, match="max_tokens"):
-        model(input_ids=torch.randint(0, VOCAB, (1, 300)), cache=cache)
+        model(input_ids=torch.randint(0, VOCAB, (1, 300)), **{kt.cache_kwarg(model): cache})
     assert cache.get_seq_length() == 0  # nothing was written
 
 

@@ -110,6 +110,8 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_load_embedded_model_and_generate(use_cache_dir: Path):
     from transformers import DynamicCache
 
+    from kvpack.integrations.transformers import cache_kwarg
+
     model, tokenizer = embedded.load_model()
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert model.dtype == torch.float32 and not model.training
@@ -121,7 +123,7 @@ def test_load_embedded_model_and_generate(use_cache_dir: Path):
         return_dict=True,
     )
     cache = DynamicCache(config=model.config)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=8, do_sample=False)
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=8, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text
     assert cache.get_seq_length() == out.shape[1] - 1

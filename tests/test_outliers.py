@@ -417,10 +417,13 @@ def tiny_llama():
 
 def _teacher_forced(model, cache, seq: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Logits ``[1, steps, vocab]`` predicting ``seq[prompt_len:]``: prefill, then one token per step."""
-    out = model(input_ids=seq[:, :prompt_len], cache=cache)
+    from kvpack.integrations.transformers import cache_kwarg
+
+    kw = {cache_kwarg(model): cache}
+    out = model(input_ids=seq[:, :prompt_len], **kw)
     logits = [out.logits[:, -1]]
     for i in range(prompt_len, seq.shape[1] - 1):
-        out = model(input_ids=seq[:, i : i + 1], cache=cache)
+        out = model(input_ids=seq[:, i : i + 1], **kw)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
@@ -464,10 +467,12 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
         input_ids=ids,
         max_new_tokens=12,
         do_sample=False,
-        cache=kvpack.hf.cache_for(model, FMT, max_tokens=256),
+        **{kvpack.hf.cache_kwarg(model): kvpack.hf.cache_for(model, FMT, max_tokens=256)},
     )
     model.set_attn_implementation("sdpa")
-    sim_out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, cache=SimulatedCache([FMT] * L))
+    sim_out = model.generate(
+        input_ids=ids, max_new_tokens=12, do_sample=False, **{kvpack.hf.cache_kwarg(model): SimulatedCache([FMT] * L)}
+    )
     assert torch.equal(kv_out, sim_out)
 
 
@@ -485,7 +490,7 @@ def test_hf_calibration_argument(tiny_llama, tmp_path):
     for calibration in (tmp_path, str(tmp_path), art):
         cache = kvpack.hf.cache_for(model, FMT, max_tokens=128, calibration=calibration)
         with torch.inference_mode():
-            model(input_ids=torch.randint(0, 256, (1, B + 2), generator=g), cache=cache)
+            model(input_ids=torch.randint(0, 256, (1, B + 2), generator=g), **{kvpack.hf.cache_kwarg(model): cache})
         want = artifact_outlier_channels(art, 4, L, H, D)
         blocks = cache.paged._seqs[cache.seq_ids[0]].blocks
         assert torch.equal(cache.paged.storage.k_outlier_idx[:, blocks].long(), want.unsqueeze(1))

@@ -441,10 +441,15 @@ def test_hf_cache_for_with_a_sink_generates_and_stores_the_first_token():
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         dyn = DynamicCache()
-        model(ids, cache=dyn)  # the keys and values the model computes for the prompt (sdpa, before cache_for)
+        # the keys and values the model computes for the prompt (sdpa, before cache_for)
+        model(ids, **{kvpack.hf.cache_kwarg(model): dyn})
         cache = kvpack.hf.cache_for(model, format="int4,sink=1", max_tokens=128)
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, cache=cache
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            **{kvpack.hf.cache_kwarg(model): cache},
         )
     assert out.shape == (1, 76) and cache.paged.format.sink == 1
     for layer in range(2):

@@ -125,10 +125,13 @@ def _prompt(tokenizer: Any, n: int) -> torch.Tensor:
 def _prefill(model: Any, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, float]:
     from transformers import DynamicCache
 
+    from kvpack.integrations.transformers import cache_kwarg
+
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
+    kw = {cache_kwarg(model): cache}
     t0 = time.perf_counter()
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, **kw, use_cache=True, logits_to_keep=1)
     dt = time.perf_counter() - t0
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     return kv, out.logits[:, -1].argmax(-1), dt
@@ -136,11 +139,14 @@ def _prefill(model: Any, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, to
 
 @torch.inference_mode()
 def _decode(model: Any, cache: Any, first: torch.Tensor, batch: int, steps: int) -> tuple[float, list[float]]:
+    from kvpack.integrations.transformers import cache_kwarg
+
     tok = first.view(1, 1).expand(batch, 1).contiguous()
+    kw = {cache_kwarg(model): cache}
     per_step = []
     for i in range(steps + 1):  # step 0 warms up (first-call compilation, allocator)
         t0 = time.perf_counter()
-        out = model(input_ids=tok, cache=cache, use_cache=True)
+        out = model(input_ids=tok, **kw, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         if i:
             per_step.append(time.perf_counter() - t0)

@@ -254,7 +254,8 @@ class KVObserver:
 def observing_cache(observer: KVObserver, config: object = None) -> object:
     """A transformers ``DynamicCache`` whose ``update`` first hands keys (after RoPE) and values to ``observer``.
 
-    Pass it as ``model(input_ids, cache=..., use_cache=True)``. Imports transformers when called.
+    Pass it as ``model(input_ids, cache=..., use_cache=True)`` (``past_key_values=...`` before transformers 5.24;
+    :func:`kvpack.integrations.transformers.cache_kwarg` names the keyword). Imports transformers when called.
     """
     from transformers import DynamicCache
 

@@ -107,12 +107,14 @@ def calibration_windows(
 def observe_model(model: Any, input_ids: torch.Tensor, observer: KVObserver, batch_size: int = 4) -> None:
     """Run ``input_ids`` ``[samples, seq_len]`` int64 through ``model`` (a transformers causal LM) in batches,
     feeding every layer's keys (after RoPE) and values to ``observer``. Only the decoder runs (no LM head)."""
+    from kvpack.integrations.transformers import cache_kwarg
+
     body = getattr(model, "base_model", model)
+    key = cache_kwarg(body)
     device = next(model.parameters()).device
     for i in range(0, input_ids.shape[0], batch_size):
         batch = input_ids[i : i + batch_size].to(device)
-        cache = observing_cache(observer, model.config)
-        body(input_ids=batch, cache=cache, use_cache=True)
+        body(input_ids=batch, use_cache=True, **{key: observing_cache(observer, model.config)})
 
 
 def calibrate(

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpack.formats import parse_format
-    from kvpack.integrations.transformers import cache_for
+    from kvpack.integrations.transformers import cache_for, cache_kwarg
     from kvpack.models import load_model
 
     fmt = parse_format(args.format)  # a bad format fails before the model loads
@@ -99,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
     with torch.inference_mode():
         out = model.generate(
-            **inputs, cache=cache, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+            **inputs,
+            **{cache_kwarg(model): cache},
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
         )
     print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True).strip())
     s = cache.bytes_summary()

@@ -68,6 +68,8 @@ def layer_sensitivity(
         name -> per-layer ``||o_q - o|| / ||o||`` over the chunk's positions.
     """
 
+    from kvpack.integrations.transformers import cache_kwarg
+
     lm = runner.lm
     mods = attention_modules(lm.model)
     records: dict[int, tuple[tuple, dict, torch.Tensor]] = {}
@@ -93,7 +95,7 @@ def layer_sensitivity(
             layer_formats: list[KVFormat | None] = [None] * lm.num_layers
             layer_formats[m.layer_idx] = fmt
             kw = dict(kwargs)
-            key = "cache" if "cache" in kw else "past_key_values"
+            key = cache_kwarg(m)
             if key not in kw:
                 raise ConfigError(
                     f"layer {m.layer_idx}'s attention module got its cache positionally; cannot replay it"

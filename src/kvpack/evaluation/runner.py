@@ -20,7 +20,6 @@ The model's attention implementation is switched per call: ``kvpack`` for kvpack
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -199,9 +198,9 @@ class Runner:
         self.calibration = calibration
         self._scales: dict[str, Any] = {}
         self.template = PromptTemplate.for_tokenizer(lm.tokenizer)
-        # transformers 5.24 renamed the forward's past_key_values to cache; take whichever this version has
-        params = inspect.signature(lm.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        from kvpack.integrations.transformers import cache_kwarg
+
+        self._cache_kwarg = cache_kwarg(lm.model)  # "cache" from transformers 5.24, "past_key_values" before
 
     # -- caches ---------------------------------------------------------------------------------------
     def cache(

@@ -187,10 +187,12 @@ def kvpack_attention(
         ``([batch, T, Hq, D] output in query.dtype, None)``: attention weights are never materialized.
     """
     if not isinstance(key, PackedKV):
+        from kvpack.integrations.transformers import cache_kwarg
+
         raise ConfigError(
-            "attn_implementation='kvpack' reads a kvpack cache, but this forward got dense keys (no cache, or "
-            "another Cache class); pass cache=kvpack.hf.cache_for(model) or switch back with "
-            "model.set_attn_implementation('sdpa')"
+            "attn_implementation='kvpack' reads a kvpack cache, but this forward got dense keys (no cache, "
+            f"another Cache class, or a cache under another keyword); pass {cache_kwarg(module)}="
+            "kvpack.hf.cache_for(model) or switch back with model.set_attn_implementation('sdpa')"
         )
     reasons = []
     if softcap is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 from collections import Counter
@@ -54,6 +55,7 @@ __all__ = [
     "PackedKV",
     "PaddingInfo",
     "cache_for",
+    "cache_kwarg",
     "chunk_attention",
     "kvpack_attention",
     "kvpack_mask",
@@ -63,6 +65,8 @@ __all__ = [
 
 DEFAULT_MAX_TOKENS = 8192
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# The keyword a forward takes its Cache under: ``cache`` from transformers 5.24, ``past_key_values`` before.
+_CACHE_KWARGS = ("cache", "past_key_values")
 
 register()  # "kvpack" is a valid attn_implementation as soon as this module is imported
 
@@ -82,6 +86,44 @@ def _plain_tensors(method: Callable) -> Callable:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+# ----------------------------------------------------------------------------------------------------
+# Which keyword carries the cache
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword ``model`` takes its cache under: ``"cache"`` (transformers >= 5.24) or ``"past_key_values"``.
+
+    Read from the signature of ``model.forward`` (a causal LM, its base model or one attention module), then of
+    its ``prepare_inputs_for_generation``; a forward that takes neither by name (only ``**kwargs``) gets the
+    name this transformers version uses. ``generate`` accepts the same keyword as the forward. Use it as
+    ``model.generate(**inputs, **{cache_kwarg(model): cache})``: a wrong name is swallowed by the forward's
+    ``**kwargs`` in older versions, and the model then silently runs a fresh ``DynamicCache``.
+    """
+    for name in ("forward", "prepare_inputs_for_generation"):
+        params = _parameters(getattr(model, name, None))
+        for kwarg in _CACHE_KWARGS:
+            if kwarg in params:
+                return kwarg
+    return _library_cache_kwarg()
+
+
+def _parameters(fn: Any) -> Any:
+    if fn is None:
+        return {}
+    try:
+        return inspect.signature(fn).parameters  # follows __wrapped__ (transformers' deprecate_kwarg)
+    except (TypeError, ValueError):
+        return {}
+
+
+@functools.cache
+def _library_cache_kwarg() -> str:
+    from transformers import GenerationMixin
+
+    params = _parameters(GenerationMixin.prepare_inputs_for_generation)
+    return "cache" if "cache" in params else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -470,7 +512,8 @@ def cache_for(
 ) -> KVPackCache:
     """A :class:`KVPackCache` for ``model``, and the model switched to ``attn_implementation="kvpack"``.
 
-    Then ``model.generate(**inputs, cache=cache)``. The switch changes the model object: to go back, call
+    Then ``model.generate(**inputs, cache=cache)`` (``past_key_values=cache`` before transformers 5.24;
+    :func:`cache_kwarg` says which). The switch changes the model object: to go back, call
     ``model.set_attn_implementation("sdpa")`` (or whatever it used, saved in ``cache.previous_attn_implementation``).
 
     Args:
