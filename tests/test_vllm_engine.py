@@ -110,7 +110,7 @@ def test_a_thousand_requests_leave_no_tail_allocated():
     prompts = [rng.integers(100, 20000, size=int(n)).tolist() for n in rng.integers(3, 40, size=1000)]
     res = run_engine({
         "model": str(ensure_converted()), "format": "int8,block=16", "prompts": prompts, "max_tokens": 3,
-        "kv_bytes": 24 * 2**20, "max_num_seqs": 32, "max_model_len": 64, "max_num_batched_tokens": 512,
+        "kv_bytes": 32 * 2**20, "max_num_seqs": 32, "max_model_len": 64, "max_num_batched_tokens": 512,
         "block_size": 16, "kernel": "reference",
     })  # fmt: skip
     assert len(res["outputs"]) == 1000

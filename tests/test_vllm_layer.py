@@ -45,7 +45,9 @@ def test_page_holds_exactly_the_format_bytes_plus_the_sink_rows(preset):
     sink = 2 * H * fmt.sink * D * 4  # float32 rows of K and V (the tail dtype)
     assert layout.page_bytes >= layout.format_block_bytes + sink
     slack = layout.page_bytes - layout.format_block_bytes - sink
-    assert slack < len(layout.regions) * ALIGN + layout.block_size  # alignment and the round-up to whole cells
+    # region alignment, and whole cells of a multiple of the activation size (4 bytes here)
+    assert slack < len(layout.regions) * ALIGN + 4 * layout.block_size
+    assert layout.cell_bytes % 4 == 0
     ends = [(r.offset, r.offset + r.nbytes) for r in layout.regions]
     assert all(a % ALIGN == 0 for a, _ in ends)
     assert all(e1 <= a2 for (_, e1), (a2, _) in itertools.pairwise(ends))  # regions do not overlap

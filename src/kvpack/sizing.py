@@ -399,7 +399,8 @@ class VllmPage:
     Attributes:
         regions: ``(name, offset, nbytes)`` in page order: ``k_data``, ``k_scale``, ``k_zero``, ``v_data``,
             ``v_scale``, ``v_zero`` (those the format has), then ``sink_k``, ``sink_v`` with a sink.
-        cell_bytes: ``C``, vLLM's bytes per token slot; ``page_bytes = block_size * C``.
+        cell_bytes: ``C``, vLLM's bytes per token slot, a multiple of the activation size (vLLM views the cells
+            in the model's dtype); ``page_bytes = block_size * C``.
         page_bytes: the page, as vLLM allocates it.
     """
 
@@ -428,6 +429,7 @@ def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> Vl
         regions.append((name, offset, n))
         offset += -(-n // VLLM_ALIGN) * VLLM_ALIGN
     cell = -(-offset // b)
+    cell = -(-cell // act_bytes) * act_bytes  # vLLM views a page's cells in the model's dtype
     return VllmPage(tuple(regions), cell, cell * b)
 
 

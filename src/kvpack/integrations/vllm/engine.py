@@ -105,7 +105,8 @@ def _main() -> None:
     core = llm.llm_engine.engine_core.engine_core
     if job.get("warmup", True):  # compiled kernels and first-call costs out of the timing, for every provider
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=[7 + i % 50 for i in range(80)])], warm, use_tqdm=False)
+        n = max(1, min(80, kw["max_model_len"] - 8))
+        llm.generate([TokensPrompt(prompt_token_ids=[7 + i % 50 for i in range(n)])], warm, use_tqdm=False)
         while core.scheduler.has_requests():
             llm.llm_engine.step()
     stats = {"steps": 0, "max_running": 0, "preemptions": 0}
