@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["triton", "transformers", "numba", "matplotlib"]
+HEAVY = ["triton", "transformers", "numba", "matplotlib", "vllm"]
 
 PROBE = """
 import json, sys

@@ -62,10 +62,3 @@ def install() -> bool:
     _update_states.__wrapped__ = orig  # type: ignore[attr-defined]
     cls._update_states = _update_states
     return True
-
-
-def installed() -> bool:
-    """Whether the hook is in place in this process."""
-    from vllm.v1.worker import gpu_model_runner
-
-    return bool(getattr(getattr(gpu_model_runner.GPUModelRunner, "_update_states", None), "_kvpack_hook", False))
