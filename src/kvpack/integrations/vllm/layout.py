@@ -31,14 +31,9 @@ from kvpack.formats import KVFormat
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 from kvpack.sizing import VLLM_ALIGN, vllm_page
 
-__all__ = ["ALIGN", "PageLayout", "Region", "sink_dtype"]
+__all__ = ["ALIGN", "PageLayout", "Region"]
 
 ALIGN = VLLM_ALIGN  # bytes: every region starts on a multiple, so any element type of a pool is aligned
-
-
-def sink_dtype(tail_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the sink rows stored in a page for a model whose activations are ``tail_dtype``: the same."""
-    return tail_dtype
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,7 @@ class PageLayout:
             if shape is not None:
                 shapes[f"{prefix}_scale"] = (scale_torch_dtype(spec.scale_dtype), tuple(shape))
                 shapes[f"{prefix}_zero"] = (scale_torch_dtype(spec.zero_dtype), tuple(shape))
-        shapes["sink_k"] = shapes["sink_v"] = (sink_dtype(tail_dtype), (h, fmt.sink, d))
+        shapes["sink_k"] = shapes["sink_v"] = (tail_dtype, (h, fmt.sink, d))
         es = torch.empty((), dtype=tail_dtype).element_size()
         page = vllm_page(fmt, h, d, es)  # the byte accounting kvpack size uses; the views follow it
         regions = []

@@ -81,7 +81,6 @@ class TailTable:
         self.sink = sink
         self.capacity = capacity
         self.slot_of_block = np.full(num_blocks, -1, dtype=np.int64)
-        self.block_of_slot = np.full(capacity, -1, dtype=np.int64)
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
@@ -114,7 +113,6 @@ class TailTable:
     def _release(self, bid: int) -> None:
         slot = int(self.slot_of_block[bid])
         self.slot_of_block[bid] = -1
-        self.block_of_slot[slot] = -1
         self._free.append(slot)
 
     def plan(self, query_start: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepPlan:
@@ -203,7 +201,6 @@ class TailTable:
         for i, bid in opened:
             slot = self._free.pop()
             self.slot_of_block[bid] = slot
-            self.block_of_slot[slot] = bid
             tail_slot[i] = slot
         return StepPlan(
             tail_slot=tail_slot,
