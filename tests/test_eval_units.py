@@ -8,7 +8,7 @@ from kvpack.evaluation.attribution import keys_only, values_only
 from kvpack.evaluation.fidelity import FidelityResult, bucket_edges, summarize
 from kvpack.evaluation.simulate import roundtrip_blocks
 from kvpack.evaluation.suite import EvalConfig
-from kvpack.evaluation.verdict import compare_needles, fmt_tokens, verdict
+from kvpack.evaluation.verdict import compare_needles, fmt_tokens, outlier_layer, verdict
 from kvpack.formats import DType, parse_format
 from kvpack.quant import dequantize, quantize
 
@@ -58,6 +58,22 @@ def test_verdicts_are_conservative_and_explained():
     flips = verdict("a", None, {**GOOD_KL, "top1_agreement": 0.4}, None)
     assert flips["status"] == "fails"
     assert verdict("fp16", None, GOOD_KL, 4096)["status"] == "baseline"
+
+
+def test_a_layer_that_carries_the_error_is_named_even_when_needles_and_kl_pass():
+    flat = [0.1, 0.12, 0.09, 0.11, 0.1]
+    assert verdict("a", compare_needles(CASES, "a", "fp16"), GOOD_KL, 4096, layer_errors=flat)["status"] == "ok"
+    spiked = [0.79, *flat]  # rotated e4m3 on biased keys: layer 0 wrecked, the others fine
+    v = verdict("a", compare_needles(CASES, "a", "fp16"), GOOD_KL, 4096, layer_errors=spiked)
+    assert v["status"] == "caution"
+    assert "layer 0 carries the error (attention error 0.79, 8x the median layer's 0.1" in v["text"]
+    # a spike that is large relative to tiny errors but small in absolute terms is not an alarm
+    assert outlier_layer([0.1, 0.01, 0.01, 0.01]) is None
+    assert outlier_layer([0.3, 0.1, 0.1]) is None  # 3x: not past the ratio
+    assert outlier_layer([0.5, 0.1]) is None  # too few layers for a median
+    # a format that already fails keeps failing, with the layer named too
+    lost = verdict("b", compare_needles(CASES, "b", "fp16"), GOOD_KL, 4096, layer_errors=spiked)
+    assert lost["status"] == "fails" and "layer 0 carries the error" in lost["text"]
 
 
 def test_fmt_tokens():

@@ -37,7 +37,9 @@ EXPECTED_BITS = {
     "fp8_e5m2": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),
     # + 4 key channels per head kept: fp16 residuals per token (4 x 16 bits) and a uint8 index each per block
     "fp8-o4": Fraction(8) + Fraction(2 * H * 2 * 8 + H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),
-    "fp8": Fraction(8) + Fraction(2 * H * 2 * 8, 2 * H * B * D),  # the rotation is a function of head_dim
+    # keys: an fp16 scale and an fp16 midpoint per channel per block (the rotation is a function of head_dim);
+    # values: one fp16 scale per head per block
+    "fp8": Fraction(8) + Fraction(H * D * 2 * 16 + H * 16, 2 * H * B * D),
     "int8": Fraction(8.1875),
     "int4": Fraction(4.75),
     "int4-o4": Fraction(4.75) + Fraction(H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),  # int4 + 4 fp16 residuals
@@ -273,8 +275,8 @@ def test_unknown_preset_lists_the_presets() -> None:
         ("k=int3,v=int8", ["unknown key dtype 'int3'", "int8", "fp8_e4m3", "int2"]),
         ("kv=int8:perchannel", ["unknown field 'perchannel'", "channel", "token", "g<N>", "sym|asym", "e8m0"]),
         ("k=int8,v=int8,foo=1", ["unknown field 'foo'", "k=SPEC"]),
-        ("kv=fp8:asym", ["symmetric only", "drop 'asym'"]),
-        ("kv=fp8_e5m2:head:asym", ["symmetric only"]),
+        ("kv=fp8:channel:asym:static", ["midpoint", "drop 'static' or 'asym'"]),
+        ("kv=fp8_e5m2:head:asym:static", ["calibration cannot give"]),
         ("k=int8", ["needs both k= and v="]),
         ("int8,k=int4", ["either a preset or k=/v= specs"]),
         ("int8,int4", ["only one preset"]),

@@ -22,11 +22,11 @@ def test_preset_syntax_and_rules():
     fmt = parse_format("fp8")
     assert fmt.key.rotate and not fmt.value.rotate
     assert parse_format(fmt.spec_string()).name == "fp8"
-    assert parse_format("k=fp8:head:rot,v=fp8:head,sink=1") == fmt  # the preset keeps sink=1
-    assert parse_format("k=fp8:head:rot,v=fp8:head") == fmt.with_sink(0)
-    # rotation costs no bytes
+    assert parse_format("k=fp8:channel:asym:rot,v=fp8:head,sink=1") == fmt  # the preset keeps sink=1
+    assert parse_format("k=fp8:channel:asym:rot,v=fp8:head") == fmt.with_sink(0)
+    # rotation costs no bytes (the preset's extra bytes are its keys' per-channel scales and midpoints)
     kw = {"kv_heads": 8, "head_dim": 128}
-    assert fmt.block_bytes(**kw) == parse_format("fp8-plain").block_bytes(**kw)
+    assert parse_format("k=fp8:head:rot,v=fp8:head").block_bytes(**kw) == parse_format("fp8-plain").block_bytes(**kw)
     for text, needle in [
         ("k=fp8:head,v=fp8:head:rot", "keys only"),
         ("k=fp8:head:rot:static,v=fp8:head", "'static'"),

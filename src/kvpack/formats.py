@@ -203,7 +203,9 @@ class QuantSpec:
 
     Dequantization, per element (``s`` and ``z`` broadcast from the ``[Hs, Ts, Cs]`` scale arrays):
     symmetric int ``x = q * s`` (q signed); asymmetric int ``x = q * s + z`` (q unsigned, ``z`` a float
-    offset, the group minimum); fp8 ``x = float(q) * s``; passthrough ``x = q``.
+    offset, the group minimum); fp8 ``x = float(q) * s``; asymmetric fp8 ``x = float(q) * s + z`` (``z`` the
+    midpoint of the group's range, so a constant offset, such as a key bias, costs no precision);
+    passthrough ``x = q``.
 
     ``static=True`` means the scales come from a calibration artifact (:mod:`kvpack.calibration`) instead
     of being chosen at seal time; :func:`kvpack.quant.choose_qparams` refuses such a spec, so a missing
@@ -261,8 +263,11 @@ class QuantSpec:
             )
         if not isinstance(self.granularity, Granularity):
             raise FormatError(f"{self.dtype.value} needs a granularity: one of tensor, head, channel, token, g<N>")
-        if self.dtype.is_fp8 and not self.symmetric:
-            raise FormatError(f"{self.dtype.value} is symmetric only; drop 'asym'")
+        if self.dtype.is_fp8 and not self.symmetric and self.static:
+            raise FormatError(
+                f"asymmetric {self.dtype.value} centres each block on its own midpoint, which a calibration "
+                "cannot give; drop 'static' or 'asym'"
+            )
         if self.static and isinstance(self.granularity, (PerToken, PerGroup)):
             raise FormatError(
                 f"static (calibrated) scales are per channel, head or tensor, not per {self.granularity.name}: "
@@ -284,7 +289,7 @@ class QuantSpec:
 
     @property
     def has_zero(self) -> bool:
-        return self.dtype.is_int and not self.symmetric
+        return not (self.symmetric or self.dtype.is_passthrough)
 
     @property
     def zero_dtype(self) -> ScaleDType:
@@ -365,6 +370,8 @@ class QuantSpec:
         parts = [self.dtype.value, self.granularity.name]
         if self.dtype.is_int:
             parts.append("sym" if self.symmetric else "asym")
+        elif not self.symmetric:
+            parts.append("asym")
         parts.append(self.scale_dtype.value)
         if self.static:
             parts.append("static")
@@ -548,6 +555,10 @@ class KVFormat:
 def _static_spec(spec: QuantSpec) -> QuantSpec:
     if spec.is_passthrough or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
         return spec
+    if spec.dtype.is_fp8 and not spec.symmetric:
+        # a midpoint is block-local by nature; the calibrated form is what serving engines store: one e4m3
+        # scale per head, symmetric (so `fp8@static` is plain static e4m3 whatever the block-local fp8 is)
+        return dataclasses.replace(spec, static=True, rotate=False, symmetric=True, granularity=PerHead())
     # calibrated scales are of keys as they come (what a serving engine stores): a rotated spec becomes plain
     return dataclasses.replace(spec, static=True, rotate=False)
 
@@ -571,10 +582,14 @@ def _same(spec: QuantSpec, name: str) -> KVFormat:
 PRESETS: dict[str, KVFormat] = {
     "fp16": _same(_spec(DType.FP16), "fp16"),
     "bf16": _same(_spec(DType.BF16), "bf16"),
-    # fp8 (e4m3, one scale per head and block) with keys stored rotated by a random-sign Hadamard (no extra
-    # bytes; kvpack.rotation): e4m3's relative error then no longer lands on the few outlier channels that
-    # carry most of each score (mean KL 7.8e-3 -> 3.7e-3 on the embedded model, flat over 8k; docs/quality.md)
-    "fp8": KVFormat(_spec(DType.FP8_E4M3, PerHead(), rotate=True), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8"),
+    # fp8 (e4m3) keys centred per channel and block on the midpoint of their range, then stored rotated by a
+    # random-sign Hadamard (kvpack.rotation); values e4m3 with one scale per head and block. Centring takes
+    # the constant offsets of biased keys (k_proj bias, outlier channels) out before e4m3's relative error
+    # sees them, and the rotation spreads what is left: never worse than plain e4m3 (docs/quality.md).
+    # +0.5 bits on keys for the per-channel scale and midpoint of each 64-token block.
+    "fp8": KVFormat(
+        _spec(DType.FP8_E4M3, PerChannel(), sym=False, rotate=True), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8"
+    ),
     # plain e4m3 keys and values, one scale per head and block: what serving engines store
     "fp8-plain": _same(_spec(DType.FP8_E4M3, PerHead()), "fp8-plain"),
     "fp8_e5m2": _same(_spec(DType.FP8_E5M2, PerHead()), "fp8_e5m2"),

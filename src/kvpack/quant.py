@@ -80,7 +80,7 @@ class QuantizedTensor:
             :func:`payload_torch_dtype`.
         scale: shape ``[..., Hs, Ts, Cs]``, dtype :func:`scale_torch_dtype` of ``spec.scale_dtype``;
             ``None`` for passthrough specs.
-        zero: same shape as ``scale``, dtype of ``spec.zero_dtype``; ``None`` unless asymmetric int.
+        zero: same shape as ``scale``, dtype of ``spec.zero_dtype``; ``None`` unless asymmetric.
         spec: the spec.
         head_dim: logical last-axis length before packing.
     """
@@ -236,6 +236,12 @@ def choose_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | Non
         hi = _reduce(xf, shape, "amax")
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             _raise_non_finite(x)
+        if spec.dtype.is_fp8:  # centred on the group's midpoint, scaled so the farther end is fp8's largest
+            zero = encode_scale(lo * 0.5 + hi * 0.5, spec.zero_dtype, round_up=False)
+            z = decode_scale(zero, spec.zero_dtype)
+            s = torch.maximum(hi - z, z - lo) / spec.dtype.fp8_max
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            return encode_scale(s, spec.scale_dtype), zero
         zero = encode_scale(lo, spec.zero_dtype, round_up=False)
         span = hi - decode_scale(zero, spec.zero_dtype)
         s = span / spec.qmax
@@ -280,13 +286,13 @@ def quantize(
     shape = tuple(scale.shape[-3:])
     xf = _grouped(x.float(), shape)  # a view: scales broadcast without being expanded in memory
     s = _bcast(decode_scale(scale, spec.scale_dtype))
-    if spec.dtype.is_fp8:
-        data = saturating_cast(xf / s, spec.dtype).reshape(x.shape)
-        return QuantizedTensor(data.contiguous(), scale, None, spec, d)
     if spec.has_zero:
         if zero is None:
             raise ShapeError("an asymmetric spec needs zero-points with its scales")
         xf = xf - _bcast(decode_scale(zero, spec.zero_dtype))
+    if spec.dtype.is_fp8:
+        data = saturating_cast(xf / s, spec.dtype).reshape(x.shape)
+        return QuantizedTensor(data.contiguous(), scale, zero, spec, d)
     q = torch.round(xf / s).clamp_(spec.qmin, spec.qmax).reshape(x.shape)
     if spec.dtype is DType.INT8:
         data = q.to(payload_torch_dtype(spec))

@@ -468,8 +468,10 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
         timings["speculative"] = time.perf_counter() - t
 
     max_len = max(cfg.lengths) if cases else None
+    layer_errors = attribution.get("layer_sensitivity", {}).get("errors", {})
     results["verdicts"] = {
-        name: verdict(name, summaries.get(name), fid.get(name), max_len, cfg.baseline) for name in formats
+        name: verdict(name, summaries.get(name), fid.get(name), max_len, cfg.baseline, layer_errors.get(name))
+        for name in formats
     }
     timings["total"] = time.perf_counter() - t0
     results["run"] = {

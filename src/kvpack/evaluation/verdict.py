@@ -9,6 +9,11 @@ Rules (the baseline is the ``fp16`` cache, itself checked against full precision
 * **caution**: no needle lost, but the next-token distribution drifts (mean KL above
   :data:`KL_CAUTION` nats or top-1 agreement below :data:`TOP1_CAUTION`), or it *gained* needles the
   baseline missed (it behaves differently, which is not the same as better).
+* **caution** too when one layer carries the error: its attention-output error (the per-layer sensitivity
+  sweep, one layer quantized at a time) is at least :data:`LAYER_OUTLIER_RATIO` times the median layer's and
+  above :data:`LAYER_OUTLIER_MIN`; the line names the layer. A format can keep every short needle while one
+  layer is wrecked (rotated e4m3 on a model with biased keys: layer 0 at 0.79, the others near 0.1), and
+  that layer is where a per-layer plan should spend its bits.
 * **ok**: identical needle results to the baseline in every case, and small KL.
 
 A verdict never reaches past the longest context it tested ("up to 4k"), and it is about this model.
@@ -16,15 +21,29 @@ A verdict never reaches past the longest context it tested ("up to 4k"), and it 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["KL_CAUTION", "KL_FAIL", "TOP1_CAUTION", "TOP1_FAIL", "compare_needles", "fmt_tokens", "verdict"]
+__all__ = [
+    "KL_CAUTION",
+    "KL_FAIL",
+    "LAYER_OUTLIER_MIN",
+    "LAYER_OUTLIER_RATIO",
+    "TOP1_CAUTION",
+    "TOP1_FAIL",
+    "compare_needles",
+    "fmt_tokens",
+    "outlier_layer",
+    "verdict",
+]
 
 KL_CAUTION = 0.02
 TOP1_CAUTION = 0.95
 KL_FAIL = 0.5
 TOP1_FAIL = 0.6
+LAYER_OUTLIER_RATIO = 4.0
+LAYER_OUTLIER_MIN = 0.2
 
 
 def fmt_tokens(n: int) -> str:
@@ -84,12 +103,27 @@ def compare_needles(cases: Sequence[dict[str, Any]], name: str, baseline: str) -
     }
 
 
+def outlier_layer(errors: Sequence[float] | None) -> dict[str, float] | None:
+    """The layer that carries a format's error, if one does: ``{"layer", "error", "median"}`` when the worst
+    layer's error is at least :data:`LAYER_OUTLIER_RATIO` times the median layer's and above
+    :data:`LAYER_OUTLIER_MIN`; else ``None`` (also for fewer than 3 layers, where a median says little)."""
+    if not errors or len(errors) < 3:
+        return None
+    median = statistics.median(errors)
+    worst = max(range(len(errors)), key=lambda i: errors[i])
+    err = float(errors[worst])
+    if err > LAYER_OUTLIER_MIN and err >= LAYER_OUTLIER_RATIO * median:
+        return {"layer": worst, "error": err, "median": float(median)}
+    return None
+
+
 def verdict(
     name: str,
     needles: dict[str, Any] | None,
     fidelity: dict[str, Any] | None,
     max_length: int | None,
     baseline: str = "fp16",
+    layer_errors: Sequence[float] | None = None,
 ) -> dict[str, str]:
     """The verdict of format ``name``: ``{"status": "ok" | "caution" | "fails" | "baseline", "text": ...}``.
 
@@ -97,6 +131,7 @@ def verdict(
         needles: :func:`compare_needles` output (or ``None`` when the needle sweep did not run).
         fidelity: the fidelity summary (``kl_mean``, ``kl_p99``, ``top1_agreement``, ``ppl_delta``) or ``None``.
         max_length: the longest needle context tested.
+        layer_errors: the format's per-layer attention-output errors (sensitivity sweep), or ``None``.
     """
     parts = []
     kl_note = ""
@@ -142,5 +177,14 @@ def verdict(
     elif drift and status == "ok":
         status = "caution"
         parts.append("the output drifts from fp16 on long text")
+    worst = outlier_layer(layer_errors)
+    if worst is not None:
+        ratio = worst["error"] / worst["median"] if worst["median"] > 0 else float("inf")
+        parts.append(
+            f"layer {worst['layer']} carries the error (attention error {worst['error']:.2g}, "
+            f"{ratio:.0f}x the median layer's {worst['median']:.2g}): keep that layer in a wider format"
+        )
+        if status == "ok":
+            status = "caution"
     label = {"ok": "OK", "caution": "CAUTION", "fails": "FAILS"}[status]
     return {"status": status, "text": f"{name}: {label}: " + "; ".join(parts)}

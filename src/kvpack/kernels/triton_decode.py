@@ -86,7 +86,7 @@ def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: in
     if spec.is_passthrough:
         kind = 0
     elif spec.dtype.is_fp8:
-        kind = 3
+        kind = 3 if spec.symmetric else 4
     else:
         kind = 1 if spec.symmetric else 2
     shape = spec.scale_shape(kv_heads, block_size, head_dim)

@@ -27,7 +27,7 @@ import triton.language as tl
 # Kernels defined while TRITON_INTERPRET=1 run on CPU tensors through the interpreter, never on a GPU.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-KIND_FLOAT, KIND_SYM, KIND_ASYM, KIND_FP8 = 0, 1, 2, 3
+KIND_FLOAT, KIND_SYM, KIND_ASYM, KIND_FP8, KIND_FP8_ASYM = 0, 1, 2, 3, 4  # FP8_ASYM: fp8 codes + a zero-point
 SCALE_NONE, SCALE_SCALAR, SCALE_CHANNEL, SCALE_TOKEN, SCALE_GROUP = 0, 1, 2, 3, 4
 SDT_FP32, SDT_FP16, SDT_BF16, SDT_E8M0 = 0, 1, 2, 3
 
@@ -57,7 +57,7 @@ def _codes(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, CVT: tl
     """
     if (KIND == 1 or KIND == 2) and CVT == 2:
         c = _codes_ptx(raw, J, KIND, BITS)
-    elif KIND == 3 and CVT == 2:
+    elif (KIND == 3 or KIND == 4) and CVT == 2:
         c = _fp8_ptx(raw)
     elif (KIND == 1 or KIND == 2) and CVT >= 1:
         c = _codes_bits(raw, J, KIND, BITS)
@@ -275,24 +275,24 @@ def _key_scores(
     elif SCALE == 1:
         s = _decode_scale(tl.load(s_base), E8M0)
         sc = tl.dot(qd, tl.trans(c.to(DOT))) * s
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             z = tl.load(z_base).to(tl.float32)
             sc += z * tl.sum(q, axis=1)[:, None]
     elif SCALE == 2:
         s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
         sc = tl.dot((q * s[None, :]).to(DOT), tl.trans(c.to(DOT)))
-        if KIND == 2 and not GF16:  # with GF16 the caller adds the zero-points of all parts (_key_zeros)
+        if (KIND == 2 or KIND == 4) and not GF16:  # with GF16 the caller adds the zero-points of all parts (_key_zeros)
             z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
             sc += tl.sum(q * z[None, :], axis=1)[:, None]
     elif SCALE == 3:
         s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
         sc = tl.dot(qd, tl.trans(c.to(DOT))) * s[None, :]
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             sc += tl.sum(q, axis=1)[:, None] * z[None, :]
     else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
         k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         sc = tl.dot(qd, tl.trans(k.to(DOT)))
     return sc
@@ -353,24 +353,24 @@ def _value_part(
     elif SCALE == 1:
         s = _decode_scale(tl.load(s_base), E8M0)
         o = tl.dot(pd, c.to(DOT)) * s
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             z = tl.load(z_base).to(tl.float32)
             o += z * tl.sum(p, axis=1)[:, None]
     elif SCALE == 2:
         s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
         o = tl.dot(pd, c.to(DOT)) * s[None, :]
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
             o += tl.sum(p, axis=1)[:, None] * z[None, :]
     elif SCALE == 3:
         s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
         o = tl.dot((p * s[None, :]).to(DOT), c.to(DOT))
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             o += tl.sum(p * z[None, :], axis=1)[:, None]
     else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
         v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
         o = tl.dot(pd, v.to(DOT))
     return o
@@ -544,7 +544,7 @@ def paged_decode_kernel(
                              2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
                              3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
-        if K_SCALE == 2 and K_KIND == 2 and K_GF16:
+        if K_SCALE == 2 and (K_KIND == 2 or K_KIND == 4) and K_GF16:
             s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, DK)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
             offs_o = tl.arange(0, BLOCK_O)
@@ -763,7 +763,7 @@ def seal_kernel(
     ids_ptr,  # [n] block ids to write
     d_ptr, sd_n, sd_h, sd_t,  # payload pool [num_blocks, H, B, P]
     s_ptr, ss_n, ss_h, ss_t, ss_c,  # scale pool [num_blocks, Hs, Ts, Cs]
-    z_ptr, sz_n, sz_h, sz_t, sz_c,  # zero pool (asymmetric int only)
+    z_ptr, sz_n, sz_h, sz_t, sz_c,  # zero pool (asymmetric specs only)
     HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, SCALE: tl.constexpr, CS: tl.constexpr,
     CGROUP: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
@@ -779,7 +779,7 @@ def seal_kernel(
 
     # ---- pass 1: the ranges every scale covers (over all HEADS heads of this program)
     x = tl.load(x_rows + h0 * sx_h).to(tl.float32)
-    if KIND == 2:
+    if KIND == 2 or KIND == 4:
         hi = _reduce(x, True, SCALE, BLOCK_SIZE, CS, CGROUP)
         lo = _reduce(x, False, SCALE, BLOCK_SIZE, CS, CGROUP)
     else:
@@ -787,7 +787,7 @@ def seal_kernel(
         lo = hi
     for h in range(1, HEADS):
         x = tl.load(x_rows + (h0 + h) * sx_h).to(tl.float32)
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             hi = tl.maximum(hi, _reduce(x, True, SCALE, BLOCK_SIZE, CS, CGROUP))
             lo = tl.minimum(lo, _reduce(x, False, SCALE, BLOCK_SIZE, CS, CGROUP))
         else:
@@ -798,6 +798,11 @@ def seal_kernel(
         z_st = _encode(lo, ZDT, False)
         z = z_st.to(tl.float32)
         s = tl.div_rn(hi - z, tl.full(hi.shape, QMAX, tl.float32))
+        _store_params(z_ptr + blk * sz_n + pid_h * sz_h, z_st, offs_t, sz_t, sz_c, SCALE, CS)
+    elif KIND == 4:  # fp8 centred on the midpoint of each group's range (quant.choose_qparams)
+        z_st = _encode(lo * 0.5 + hi * 0.5, ZDT, False)
+        z = z_st.to(tl.float32)
+        s = tl.div_rn(tl.maximum(hi - z, z - lo), tl.full(hi.shape, TOP, tl.float32))
         _store_params(z_ptr + blk * sz_n + pid_h * sz_h, z_st, offs_t, sz_t, sz_c, SCALE, CS)
     else:
         z = hi
@@ -815,7 +820,9 @@ def seal_kernel(
     for h in range(0, HEADS):
         x = tl.load(x_rows + (h0 + h) * sx_h).to(tl.float32)
         out = d_ptr + blk * sd_n + (h0 + h) * sd_h + offs_t[:, None] * sd_t + offs_p[None, :]
-        if KIND == 3:
+        if KIND == 3 or KIND == 4:
+            if KIND == 4:
+                x = x - z_full
             v = tl.div_rn(x, s_full)
             tl.store(out, tl.minimum(tl.maximum(v, -TOP), TOP).to(PAYLOAD))
         else:

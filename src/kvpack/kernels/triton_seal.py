@@ -166,7 +166,7 @@ def seal_into(
         data: payload pool ``[num_blocks, H, B, spec.packed_head_dim(D)]``, dtype
             :func:`~kvpack.quant.payload_torch_dtype`.
         scale: scale pool ``[num_blocks, Hs, Ts, Cs]`` in the spec's scale dtype (``None`` for passthrough).
-        zero: zero-point pool, same shape, in ``spec.zero_dtype`` (asymmetric int only, else ``None``).
+        zero: zero-point pool, same shape, in ``spec.zero_dtype`` (asymmetric specs only, else ``None``).
         block_ids: ``[n]`` int32/int64 distinct block ids, on ``x``'s device.
         check_finite: refuse NaN/inf before writing anything (one device sync); turn off only when the
             caller has checked already.
