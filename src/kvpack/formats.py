@@ -820,7 +820,9 @@ def split_formats(text: str) -> list[str]:
     ``;`` separates formats when present (``k=int8,v=int4;int8``). Otherwise commas do, and the pieces
     that are fields of the format before them are joined back to it: ``block=``/``sink=`` always, a ``v=``
     after a ``k=``; ``int4,sink=1,int8,k=int8,v=int4:g32`` is ``["int4,sink=1", "int8", "k=int8,v=int4:g32"]``.
-    The pieces are not parsed here (:func:`parse_format` does that, with its error messages).
+    The pieces are not parsed here (:func:`parse_format` does that, with its error messages). A per-layer
+    plan (:mod:`kvpack.plans`) is one piece: commas inside its ``[layers]`` and in the formats of its
+    overrides stay with it (``int4/int8[0,5-6],int8`` is ``["int4/int8[0,5-6]", "int8"]``).
     """
     if ";" in text:
         return [p.strip() for p in text.split(";") if p.strip()]
@@ -828,11 +830,15 @@ def split_formats(text: str) -> list[str]:
     for piece in (p.strip() for p in text.split(",")):
         if not piece:
             continue
-        name = piece.partition("=")[0].strip().lower() if "=" in piece else ""
+        last = piece.rsplit("/", 1)[-1]  # a plan's override: its own fields follow
+        name = last.partition("=")[0].strip().lower() if "=" in last else ""
         cur = groups[-1] if groups else None
-        cur_names = [] if cur is None else [c.partition("=")[0].strip().lower() for c in cur if "=" in c]
+        cur_last = [] if cur is None else [c.rsplit("/", 1)[-1] for c in cur]
+        cur_names = [c.partition("=")[0].strip().lower() for c in cur_last if "=" in c]
+        open_bracket = cur is not None and ",".join(cur).count("[") > ",".join(cur).count("]")
         attach = cur is not None and (
-            name in _ATTACH_FIELDS
+            open_bracket
+            or name in _ATTACH_FIELDS
             or (
                 name in _VALUE_FIELDS
                 and any(n in _KEY_FIELDS for n in cur_names)

@@ -91,7 +91,7 @@ class PackedKV:
     __getitem__ = _wrong_attention
 
     def __repr__(self) -> str:
-        return f"PackedKV(layer={self.layer_idx}, shape={self.shape}, format={self.cache.format.name})"
+        return f"PackedKV(layer={self.layer_idx}, shape={self.shape}, format={self.cache.format_name})"
 
 
 # ----------------------------------------------------------------------------------------------------

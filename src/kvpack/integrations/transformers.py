@@ -37,6 +37,7 @@ from kvpack import kernels
 from kvpack.cache import MemoryReport
 from kvpack.errors import ConfigError, PoolExhaustedError, ShapeError, UnsupportedError
 from kvpack.formats import KVFormat, parse_format
+from kvpack.plans import LayerPlan, is_plan, parse_plan
 from kvpack.integrations.hf_attention import (
     ATTN_IMPLEMENTATION,
     PackedKV,
@@ -229,7 +230,8 @@ class KVPackCache(Cache):
     Args:
         config: the model config (layers, kv_heads, head_dim and sliding windows are read from it).
         format: a preset name (``"int4"``, ``"int8"``, ``"fp16"``, ...) or a custom format string or
-            :class:`~kvpack.formats.KVFormat`.
+            :class:`~kvpack.formats.KVFormat`, or a per-layer plan (``"int4/int8[0,5-6]"``,
+            :mod:`kvpack.plans`): each format's layers then get their own pool.
         max_tokens: tokens one sequence may reach (prompt plus new tokens); default the model's
             ``max_position_embeddings`` capped at 8192.
         batch_size: the least number of sequences to size the pool for; it is sized at the first forward for
@@ -253,7 +255,7 @@ class KVPackCache(Cache):
     def __init__(
         self,
         config: PreTrainedConfig,
-        format: str | KVFormat = "int4",
+        format: str | KVFormat | LayerPlan = "int4",
         *,
         max_tokens: int | None = None,
         batch_size: int = 1,
@@ -262,9 +264,19 @@ class KVPackCache(Cache):
         num_blocks: int | None = None,
         calibration: Any = None,
     ) -> None:
-        self.format = parse_format(format)
         self.num_layers, self.kv_heads, self.head_dim, self.windows = model_geometry(config)
-        self.format.check(self.head_dim)
+        plan = parse_plan(format) if is_plan(format) else None
+        self.format = plan.base if plan is not None else parse_format(format)
+        # one format per layer: a per-layer plan (kvpack.plans) stores each format's layers in their own pool
+        self.layer_formats = plan.formats(self.num_layers) if plan is not None else [self.format] * self.num_layers
+        self.plan = plan if plan is not None and not plan.is_uniform else None
+        for f in {f.name: f for f in self.layer_formats}.values():
+            f.check(self.head_dim)
+        if self.plan is not None and calibration is not None:
+            raise ConfigError(
+                f"a calibration artifact is made for one format; the per-layer plan {self.plan.name!r} takes none "
+                "(calibrate one format, or drop the plan's static and o<N> formats)"
+            )
         self.calibration = _resolve_calibration(
             calibration, config, self.format, self.num_layers, self.kv_heads, self.head_dim
         )
@@ -294,16 +306,36 @@ class KVPackCache(Cache):
         super().__init__(layers=layers)
 
     # -- sizing and storage -------------------------------------------------------------------------
-    def blocks_needed(self, sequences: int) -> int:
-        """Pool size for ``sequences`` sequences of ``max_tokens``: their blocks, one spare each, the null block."""
-        per_seq = math.ceil(self.max_tokens / self.format.block_size) + 1
+    @property
+    def format_name(self) -> str:
+        """The format's name, or the per-layer plan's."""
+        return self.plan.name if self.plan is not None else self.format.name
+
+    def blocks_needed(self, sequences: int, fmt: KVFormat | None = None) -> int:
+        """Pool size for ``sequences`` sequences of ``max_tokens``: their blocks, one spare each, the null block
+        (in blocks of ``fmt``, default the cache's format)."""
+        per_seq = math.ceil(self.max_tokens / (fmt or self.format).block_size) + 1
         return sequences * per_seq + 1
 
     @_plain_tensors
     def _create(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         from kvpack.cache import PagedKVCache
 
-        num_blocks = self.num_blocks or self.blocks_needed(max(self.min_sequences, batch))
+        sequences = max(self.min_sequences, batch)
+        if self.plan is not None:
+            from kvpack.cache.layered import LayeredKVCache
+
+            self.paged = LayeredKVCache(
+                self.layer_formats,
+                self.kv_heads,
+                self.head_dim,
+                lambda fmt: self.num_blocks or self.blocks_needed(sequences, fmt),
+                window=self.windows,
+                tail_dtype=self.tail_dtype or dtype,
+                device=device,
+            )
+            return
+        num_blocks = self.num_blocks or self.blocks_needed(sequences)
         self.paged = PagedKVCache(
             self.format,
             self.num_layers,
@@ -470,7 +502,7 @@ class KVPackCache(Cache):
 
     def __repr__(self) -> str:
         return (
-            f"KVPackCache(format={self.format.name!r}, layers={self.num_layers}, kv_heads={self.kv_heads}, "
+            f"KVPackCache(format={self.format_name!r}, layers={self.num_layers}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, sequences={len(self.seq_ids)})"
         )
 
@@ -502,7 +534,7 @@ def _resolve_calibration(
 
 def cache_for(
     model: Any,
-    format: str | KVFormat = "int4",
+    format: str | KVFormat | LayerPlan = "int4",
     max_tokens: int | None = None,
     batch_size: int = 1,
     *,
@@ -518,7 +550,8 @@ def cache_for(
 
     Args:
         model: a transformers causal LM (decoder with full and/or sliding-window attention layers).
-        format: a preset (``"int4"``, ``"int8"``, ``"fp8"``, ``"fp16"``, ...) or a custom format string.
+        format: a preset (``"int4"``, ``"int8"``, ``"fp8"``, ``"fp16"``, ...), a custom format string, or a
+            per-layer plan (``"int4/int8[0,5-6]"``, :mod:`kvpack.plans`).
         max_tokens: tokens one sequence may reach (prompt + new tokens); default
             ``min(max_position_embeddings, 8192)``.
         batch_size: the least number of sequences to size the pool for (the first forward's rows, beams
