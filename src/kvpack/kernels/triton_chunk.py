@@ -24,7 +24,15 @@ from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.kernels import triton_decode as td
 from kvpack.kernels.views import PagedKV, refuse_rotated
 
-__all__ = ["SUPPORTS_OUTLIERS", "SUPPORTS_SINK", "chunk_attention", "default_block_m", "plan", "reasons_unsupported"]
+__all__ = [
+    "SUPPORTS_OUTLIERS",
+    "SUPPORTS_SINK",
+    "chunk_attention",
+    "default_block_m",
+    "launch_config",
+    "plan",
+    "reasons_unsupported",
+]
 
 SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scores inside the kernel
 SUPPORTS_SINK = True  # full-precision sink positions replace their sealed rows inside the kernel
@@ -47,6 +55,16 @@ def default_block_m(rows: int) -> int:
     """Query rows per tile for ``rows = T * G`` rows per kv head: a power of two, at least 16 (a dot operand's
     minimum), at most :data:`MAX_BLOCK_M`, no larger than the rows need."""
     return min(MAX_BLOCK_M, max(16, 1 << max(0, (rows - 1).bit_length())))
+
+
+def launch_config(block_m: int, head_dim: int) -> dict[str, int]:
+    """``num_warps`` and ``num_stages`` for a ``block_m x head_dim`` query tile.
+
+    8 warps for 64 x 128 tiles and larger: compiled for sm_90 (int8, int4, kivi2, fp8, fp16; block 64), 4 warps
+    took 254-255 registers per thread and 1.6-1.7x the block-loop instructions of 8 warps (171-237 registers,
+    no spills either way). Not yet timed on a GPU (``benchmarks/gpu_prefill.py`` does).
+    """
+    return {"num_warps": 8 if block_m * head_dim >= 64 * 128 else 4, "num_stages": 2}
 
 
 def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
@@ -105,7 +123,7 @@ def plan(
         "HAS_WINDOW": window is not None,
         **consts,
     }
-    cfg = {"num_warps": 4, "num_stages": 2}
+    cfg = launch_config(bm, d)
     cfg.update({n: v for n, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
     grid = (batch, h, max(1, math.ceil(t * group / bm)))
     return td.Launch(_kernels().paged_chunk_kernel, grid, args, constexprs, cfg), result
@@ -134,7 +152,7 @@ def chunk_attention(
         window: a query at position ``p`` attends only positions ``> p - window``.
         out: optional ``[batch, T, Hq, D]`` buffer in ``q.dtype``, contiguous in its last axis.
         block_m: query rows per program (default :func:`default_block_m`).
-        num_warps, num_stages: launch options (default 4 and 2).
+        num_warps, num_stages: launch options (default :func:`launch_config`).
         codes: how integer codes and fp8 values become numbers, one of ``triton_decode.CODES``.
 
     Returns:

@@ -55,6 +55,13 @@ def _attend_full_rows(
 
 
 @triton.jit
+def _in_range(kpos, lo, pos):
+    """``[BLOCK_M, R]``: query row ``m`` (at position ``pos[m]``, first attended ``lo[m]``) attends key position
+    ``kpos[r]``: causal, inside its window and past ``start_pos``."""
+    return (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= pos[:, None])
+
+
+@triton.jit
 def _load_q_part(q_rows, offs_p, r_mask, qk_scale, J: tl.constexpr, PER: tl.constexpr):
     """Channels ``i * PER + J`` of the tile's query rows ``[BLOCK_M, D // PER]``, float32, times ``qk_scale``."""
     x = tl.load(q_rows[:, None] + (offs_p * PER + J)[None, :], mask=r_mask[:, None], other=0.0)
@@ -164,11 +171,11 @@ def paged_chunk_kernel(
     # ---- the full-precision sink rows (positions [0, n_sink)), first: before the block loop nothing else is live
     if HAS_SINK:
         offs_r = tl.arange(0, BLOCK_SINK)  # sink slot r holds position r
-        valid = (offs_r < n_sink)[None, :] & (offs_r[None, :] >= lo[:, None]) & (offs_r[None, :] <= pos[:, None])
+        sink_valid = (offs_r < n_sink)[None, :] & _in_range(offs_r, lo, pos)
         kr = sk_ptr + pid_b * ssk_b + pid_h * ssk_h + offs_r[:, None] * ssk_t
         vr = sv_ptr + pid_b * ssv_b + pid_h * ssv_h + offs_r[:, None] * ssv_t
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_full_rows(
-            kr, vr, offs_pk, offs_pv, (offs_r < n_sink)[:, None], valid,
+            kr, vr, offs_pk, offs_pv, (offs_r < n_sink)[:, None], sink_valid,
             q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
             acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
 
@@ -200,8 +207,7 @@ def paged_chunk_kernel(
                         mask=o_mask[None, :], other=0.0)
             s += tl.dot((qo.to(tl.float32) * qk_scale).to(O_DT), tl.trans(r.to(O_DT)))
         if (i < mid_lo) | (i >= mid_hi):  # a block some row attends only in part
-            kpos = i * BLOCK_SIZE + offs_t
-            s = tl.where((kpos[None, :] >= lo_sealed[:, None]) & (kpos[None, :] <= pos[:, None]), s, float("-inf"))
+            s = tl.where(_in_range(i * BLOCK_SIZE + offs_t, lo_sealed, pos), s, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(V_CD)
         # ---- values
@@ -228,12 +234,11 @@ def paged_chunk_kernel(
     t0 = n_sealed * BLOCK_SIZE
     if p_last >= t0:
         n_tail = seq_len - t0
-        kpos = t0 + offs_t
-        valid = (offs_t < n_tail)[None, :] & (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= pos[:, None])
+        tail_valid = (offs_t < n_tail)[None, :] & _in_range(t0 + offs_t, lo, pos)
         tk = tk_ptr + pid_b * stk_b + pid_h * stk_h + offs_t[:, None] * stk_t
         tv = tv_ptr + pid_b * stv_b + pid_h * stv_h + offs_t[:, None] * stv_t
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_full_rows(
-            tk, tv, offs_pk, offs_pv, (offs_t < n_tail)[:, None], valid,  # never load unused (poisoned) slots
+            tk, tv, offs_pk, offs_pv, (offs_t < n_tail)[:, None], tail_valid,  # never load unused (poisoned) slots
             q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
             acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
 
