@@ -361,3 +361,21 @@ def test_kernel_compiles_for_hopper_without_spills():
         assert u["shared"] <= 227 * 1024, f"more shared memory than an H100/H200 SM holds: {u}"
         mma = [op for op in u["loop_ops"] if op.startswith(("HMMA", "HGMMA"))]
         assert mma, f"no tensor-core dot in the block loop: {u}"
+
+
+def test_gpu_prefill_benchmark_smoke_mode(tmp_path):
+    """benchmarks/gpu_prefill.py end to end under the interpreter: its device checks pass, every provider is timed
+    (flash SDPA's stand-in on the CPU, the chunk kernel at its default launch and a variant), JSON written."""
+    out = tmp_path / "prefill.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_prefill.py"), "--smoke", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["checks"] and all(c["ok"] for c in data["checks"]), data["checks"]
+    providers = {(r["provider"], str(r.get("launch"))) for r in data["timings"]}
+    assert {p for p, _ in providers} == {"sdpa:fp16", "sdpa:bf16", "triton-chunk:int4"}, providers
+    assert len([p for p in providers if p[0] == "triton-chunk:int4"]) == 2, providers
+    assert "median_ms" in res.stdout  # the table is printed last

@@ -146,7 +146,8 @@ def paged_chunk_kernel(
     offs_pv = tl.arange(0, DV)
 
     # The tile's query rows, split like the key payload: part j holds channels c = i * K_PER + j.
-    q_rows = q_ptr + pid_b * sq_b + t_idx * sq_t + heads * sq_h  # [BLOCK_M] pointers
+    # int64 offsets: a long chunk at a wide batch passes 2**31 elements (16 x 32k queries x 32 heads x 128)
+    q_rows = q_ptr + pid_b.to(tl.int64) * sq_b + t_idx.to(tl.int64) * sq_t + heads * sq_h  # [BLOCK_M] pointers
     q0 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 0, K_PER)
     q1 = q0
     q2 = q0
@@ -244,7 +245,7 @@ def paged_chunk_kernel(
 
     # ---- normalized output; a row with nothing attended gets zeros
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-    o_rows = o_ptr + pid_b * so_b + t_idx * so_t + heads * so_h
+    o_rows = o_ptr + pid_b.to(tl.int64) * so_b + t_idx.to(tl.int64) * so_t + heads * so_h
     _store_o_part(o_rows, offs_pv, r_mask, acc0, inv, 0, V_PER)
     if V_PER >= 2:
         _store_o_part(o_rows, offs_pv, r_mask, acc1, inv, 1, V_PER)
