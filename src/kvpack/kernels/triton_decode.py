@@ -29,6 +29,11 @@ from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = [
     "Launch",
+    "cache_args",
+    "cache_constexprs",
+    "check_cache",
+    "check_out",
+    "choose_codes",
     "compile_launch",
     "decode_attention",
     "default_num_splits",
@@ -220,13 +225,12 @@ def _check_sink(kv: PagedKV) -> None:
             raise ShapeError(f"{name} must be contiguous in head_dim (stride 1), got strides {t.stride()}")
 
 
-def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+def check_cache(kv: PagedKV, device: torch.device) -> None:
+    """Raise :class:`ShapeError` unless every tensor of the view has the shape, dtype and layout the Triton
+    kernels read (pools, tails, tables, outliers, sink) and lies on ``device``. Shared by the decode and the
+    chunk launchers; the query and the output are theirs to check."""
     refuse_rotated(kv)
     batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
-    if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != d or q.shape[1] % h:
-        raise ShapeError(
-            f"q must be [batch={batch}, Hq (a multiple of kv_heads={h}), head_dim={d}], got {tuple(q.shape)}"
-        )
     _check_pool("k", kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv)
     _check_pool("v", kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv)
     for name, t in (("tail_k", kv.tail_k), ("tail_v", kv.tail_v)):
@@ -247,12 +251,27 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     optional = (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos, kv.k_outlier, kv.k_outlier_idx)
     tensors += [t for t in (*optional, kv.sink_k, kv.sink_v) if t is not None]
     for t in tensors:
-        if t.device != q.device:
-            raise ShapeError(f"every cache tensor must be on q's device {q.device}, found one on {t.device}")
+        if t.device != device:
+            raise ShapeError(f"every cache tensor must be on q's device {device}, found one on {t.device}")
+
+
+def check_out(q: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise :class:`ShapeError` unless ``out`` is ``None`` or q's shape, dtype and device, last axis contiguous."""
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
     if out is not None and out.stride(-1) != 1:
         raise ShapeError("out must be contiguous in its last axis")
+
+
+def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+    refuse_rotated(kv)
+    batch, h, d = kv.batch, kv.kv_heads, kv.head_dim
+    if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != d or q.shape[1] % h:
+        raise ShapeError(
+            f"q must be [batch={batch}, Hq (a multiple of kv_heads={h}), head_dim={d}], got {tuple(q.shape)}"
+        )
+    check_cache(kv, q.device)
+    check_out(q, out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,6 +357,71 @@ def launch_config(head_dim: int, block_size: int, group: int, quantized: bool = 
     return {"num_warps": 8 if big else 4, "num_stages": 2}
 
 
+def choose_codes(kv: PagedKV, q: torch.Tensor, codes: str | None) -> int:
+    """``CVT`` for a launch over ``kv`` with query ``q``: ``codes`` (a key of :data:`CODES`), else
+    :func:`default_codes`; fp8 PTX falls back to the bit arithmetic below sm_89."""
+    if codes is not None and codes not in CODES:
+        raise ConfigError(f"codes must be one of {sorted(CODES)}, got {codes!r}")
+    if codes == "ptx" and not _ptx_ok():
+        raise ConfigError("codes='ptx' runs on an NVIDIA GPU only (not interpreted, not ROCm); use 'bits'")
+    cvt = default_codes() if codes is None else CODES[codes]
+    fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
+    if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89: Triton's conversion instead
+    return cvt
+
+
+def cache_args(kv: PagedKV) -> list:
+    """The kernels' arguments for the cache, in their order: pools with strides (``k_data`` .. ``v_zero``),
+    outliers, block tables, ``seq_lens``, ``start_pos``, tails, sink rows and ``S``. Shared by the decode and
+    the chunk kernels, whose signatures hold this run between the query and the output."""
+    start = kv.start_pos if kv.start_pos is not None else kv.seq_lens  # not read without start_pos
+    return [
+        kv.k_data, kv.k_data.stride(0), kv.k_data.stride(1), kv.k_data.stride(2),
+        *_scale_args(kv.k_scale, kv.k_data),
+        *_scale_args(kv.k_zero, kv.k_data),
+        kv.v_data, kv.v_data.stride(0), kv.v_data.stride(1), kv.v_data.stride(2),
+        *_scale_args(kv.v_scale, kv.v_data),
+        *_scale_args(kv.v_zero, kv.v_data),
+        *_outlier_args(kv),
+        kv.block_tables, kv.block_tables.stride(0),
+        kv.seq_lens, start,
+        kv.tail_k, kv.tail_k.stride(0), kv.tail_k.stride(1), kv.tail_k.stride(2),
+        kv.tail_v, kv.tail_v.stride(0), kv.tail_v.stride(1), kv.tail_v.stride(2),
+        *_sink_args(kv),
+    ]  # fmt: skip
+
+
+def cache_constexprs(kv: PagedKV, q: torch.Tensor, codes: str | None = None) -> dict[str, Any]:
+    """The compile-time constants of the cache's format and features, shared by the decode and chunk kernels:
+    ``K_*`` / ``V_*`` (:func:`spec_constants`), outliers, start_pos, sink, and the dot and code dtypes for
+    queries of ``q.dtype`` (``codes`` as :func:`choose_codes`)."""
+    k = _kernels()
+    dot = {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype]
+    cvt = choose_codes(kv, q, codes)
+    k_cd, v_cd = code_dot_dtype(kv.format.key, dot, cvt), code_dot_dtype(kv.format.value, dot, cvt)
+    h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
+    n_out = 0 if kv.k_outlier is None else kv.k_outlier.shape[-1]
+    return {
+        "HAS_START": kv.start_pos is not None,
+        "HAS_SINK": kv.sink > 0,
+        "BLOCK_SINK": max(16, _next_pow2(kv.sink)),  # a dot operand needs 16 rows; slots past S are masked
+        **{f"K_{n}": v for n, v in spec_constants(kv.format.key, h, b, d).items()},
+        **{f"V_{n}": v for n, v in spec_constants(kv.format.value, h, b, d).items()},
+        "N_OUT": n_out,
+        "BLOCK_O": max(2, _next_pow2(n_out)),
+        # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate; integer codes built as float16
+        # (exact) multiply in float16 for 16-bit queries (code_dot_dtype).
+        "DOT": dot,
+        "CVT": cvt,
+        "K_CD": k_cd,
+        "V_CD": v_cd,
+        # per-group scales dequantize float16 codes in float16 when they are stored as float16
+        "K_GF16": group_in_f16(kv.format.key, k_cd, cvt),
+        "V_GF16": group_in_f16(kv.format.value, v_cd, cvt),
+    }
+
+
 @dataclass
 class Launch:
     """One kernel launch, spelled out: used to run it, and to compile it ahead of time for a GPU target."""
@@ -372,16 +456,6 @@ def plan(
     """
     _check(q, kv, out)
     k = _kernels()
-    dot = {torch.float16: k.tl.float16, torch.bfloat16: k.tl.bfloat16, torch.float32: k.tl.float32}[q.dtype]
-    if codes is not None and codes not in CODES:
-        raise ConfigError(f"codes must be one of {sorted(CODES)}, got {codes!r}")
-    if codes == "ptx" and not _ptx_ok():
-        raise ConfigError("codes='ptx' runs on an NVIDIA GPU only (not interpreted, not ROCm); use 'bits'")
-    cvt = default_codes() if codes is None else CODES[codes]
-    fp8 = kv.format.key.dtype.is_fp8 or kv.format.value.dtype.is_fp8
-    if cvt == CODES["ptx"] and fp8 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
-        cvt = CODES["bits"]  # the fp8 PTX (cvt.rn.f16x2.e4m3x2 / e5m2x2) needs sm_89: Triton's conversion instead
-    k_cd, v_cd = code_dot_dtype(kv.format.key, dot, cvt), code_dot_dtype(kv.format.value, dot, cvt)
     batch, hq, d = q.shape
     h, b = kv.kv_heads, kv.block_size
     group = hq // h
@@ -396,24 +470,9 @@ def plan(
         ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
     else:
         acc = ml = result  # not read
-    kc = spec_constants(kv.format.key, h, b, d)
-    n_out = 0 if kv.k_outlier is None else kv.k_outlier.shape[-1]
-    vc = spec_constants(kv.format.value, h, b, d)
-    start = kv.start_pos if kv.start_pos is not None else kv.seq_lens  # not read without start_pos
     args = [
         q, q.stride(0), q.stride(1),
-        kv.k_data, kv.k_data.stride(0), kv.k_data.stride(1), kv.k_data.stride(2),
-        *_scale_args(kv.k_scale, kv.k_data),
-        *_scale_args(kv.k_zero, kv.k_data),
-        kv.v_data, kv.v_data.stride(0), kv.v_data.stride(1), kv.v_data.stride(2),
-        *_scale_args(kv.v_scale, kv.v_data),
-        *_scale_args(kv.v_zero, kv.v_data),
-        *_outlier_args(kv),
-        kv.block_tables, kv.block_tables.stride(0),
-        kv.seq_lens, start,
-        kv.tail_k, kv.tail_k.stride(0), kv.tail_k.stride(1), kv.tail_k.stride(2),
-        kv.tail_v, kv.tail_v.stride(0), kv.tail_v.stride(1), kv.tail_v.stride(2),
-        *_sink_args(kv),
+        *cache_args(kv),
         result, result.stride(0), result.stride(1),
         acc, acc.stride(0), acc.stride(1), acc.stride(2) if splits > 1 else 0,
         ml, ml.stride(0), ml.stride(1), ml.stride(2) if splits > 1 else 0,
@@ -425,23 +484,8 @@ def plan(
         "HEAD_DIM": d,
         "BLOCK_SIZE": b,
         "SPLIT": splits > 1,  # the split count itself is a runtime argument: no recompiles
-        "HAS_START": kv.start_pos is not None,
         "HAS_WINDOW": window is not None,
-        "HAS_SINK": kv.sink > 0,
-        "BLOCK_SINK": max(16, _next_pow2(kv.sink)),  # a dot operand needs 16 rows; slots past S are masked
-        **{f"K_{n}": v for n, v in kc.items()},
-        **{f"V_{n}": v for n, v in vc.items()},
-        "N_OUT": n_out,
-        "BLOCK_O": max(2, _next_pow2(n_out)),
-        # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate; integer codes built as float16
-        # (exact) multiply in float16 for 16-bit queries (code_dot_dtype).
-        "DOT": dot,
-        "CVT": cvt,
-        "K_CD": k_cd,
-        "V_CD": v_cd,
-        # per-group scales dequantize float16 codes in float16 when they are stored as float16
-        "K_GF16": group_in_f16(kv.format.key, k_cd, cvt),
-        "V_GF16": group_in_f16(kv.format.value, v_cd, cvt),
+        **cache_constexprs(kv, q, codes),
     }
     cfg = launch_config(d, b, group, not (kv.format.key.is_passthrough and kv.format.value.is_passthrough))
     opts = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", max_registers))
