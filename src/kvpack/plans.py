@@ -22,7 +22,7 @@ from kvpack.formats import KVFormat, parse_format
 
 __all__ = ["LayerPlan", "is_plan", "layer_formats", "parse_plan"]
 
-_OVERRIDE = re.compile(r"^(?P<fmt>.+)\[(?P<layers>[0-9,\-\s]+)\]$", re.S)
+_OVERRIDE = re.compile(r"^(?P<fmt>.+)\[(?P<layers>[^\[\]]*)\]$", re.S)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,32 @@ class LayerPlan:
         for fmt, layers in self.overrides:
             parts.append(f"{fmt.name}[{_ranges(layers)}]")
         return "/".join(parts)
+
+    def spec_string(self) -> str:
+        """The plan with every format spelled out (:meth:`KVFormat.spec_string`)."""
+        parts = [self.base.spec_string()]
+        for fmt, layers in self.overrides:
+            parts.append(f"{fmt.spec_string()}[{_ranges(layers)}]")
+        return "/".join(parts)
+
+    @property
+    def sink(self) -> int:
+        """The base format's sink (overrides keep their own)."""
+        return self.base.sink
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        """Why a format of the plan cannot store ``head_dim`` (empty list: every one can)."""
+        out = list(self.base.reasons_invalid(head_dim))
+        for fmt, _ in self.overrides:
+            out += [f"{fmt.name}: {r}" for r in fmt.reasons_invalid(head_dim)]
+        return out
+
+    def layer_counts(self, num_layers: int) -> list[tuple[KVFormat, int]]:
+        """Each distinct format of the plan and how many of the ``num_layers`` layers it stores."""
+        counts: dict[KVFormat, int] = {}
+        for f in self.formats(num_layers):
+            counts[f] = counts.get(f, 0) + 1
+        return list(counts.items())
 
     @property
     def is_uniform(self) -> bool:

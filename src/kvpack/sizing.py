@@ -17,6 +17,7 @@ from typing import Any
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import PRESETS, KVFormat, parse_format, split_formats
 from kvpack.modelspecs import ModelShape
+from kvpack.plans import LayerPlan, is_plan, parse_plan
 
 __all__ = [
     "GIB",
@@ -68,7 +69,7 @@ def parse_count(text: str | int, what: str = "value") -> int:
     return n
 
 
-def parse_formats(items: list[str] | None) -> list[KVFormat]:
+def parse_formats(items: list[str] | None) -> list[KVFormat | LayerPlan]:
     """Formats from repeated ``--format`` values; each may be one format or a comma list of formats.
 
     A value is first parsed whole (so a custom string such as ``k=int8,v=int4:g32,block=32`` keeps its
@@ -78,20 +79,24 @@ def parse_formats(items: list[str] | None) -> list[KVFormat]:
     """
     if not items:
         return list(PRESETS.values())
-    out: list[KVFormat] = []
+    out: list[KVFormat | LayerPlan] = []
+
+    def one(text: str) -> KVFormat | LayerPlan:
+        return parse_plan(text) if is_plan(text) else parse_format(text)
+
     for item in items:
         if item.strip().lower() == "all":
             out += PRESETS.values()
             continue
         try:
-            out.append(parse_format(item))
+            out.append(one(item))
         except FormatError:
             pieces = split_formats(item)  # fields (sink=1, v=...) stay with the format before them
             if len(pieces) < 2:
                 raise  # one (custom) format that does not parse: its own message says why
             for p in pieces:  # a comma list of formats; an unknown one lists the presets
-                out += PRESETS.values() if p.lower() == "all" else [parse_format(p)]
-    unique: dict[str, KVFormat] = {}
+                out += PRESETS.values() if p.lower() == "all" else [one(p)]
+    unique: dict[str, KVFormat | LayerPlan] = {}
     for f in out:
         unique.setdefault(f.spec_string(), f)
     return list(unique.values())
@@ -297,6 +302,9 @@ def plan(
                 fmt.check(d)
             result.skipped.append(f"{fmt.name}: {'; '.join(reasons)}")
             continue
+        if isinstance(fmt, LayerPlan):
+            result.rows.append(_plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model))
+            continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
         row = FormatRow(
             format=fmt,
@@ -325,6 +333,41 @@ def plan(
         raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))
     result.advice = advice(result)
     return result
+
+
+def _plan_row(
+    p: LayerPlan, context: int, batch: int, fp16_total: int, budget: int | None, shared: int | None, model: ModelShape
+) -> FormatRow:
+    """The :class:`FormatRow` of a per-layer plan: each format's figures over its own layers, summed (every
+    format keeps its own pool, tails and sinks: :class:`kvpack.cache.layered.LayeredKVCache`)."""
+    h, d = model.kv_heads, model.head_dim
+    counts = p.layer_counts(model.layers)
+
+    def per_seq(tokens: int) -> int:
+        return sum(f.bytes_for_tokens(tokens, h, d, n, TAIL_ELEMENT_BYTES) for f, n in counts)
+
+    seq = per_seq(context)
+    row = FormatRow(
+        format=p,  # type: ignore[arg-type]  (a plan answers what a row reads of its format)
+        bytes_per_token=sum(f.bytes_per_token(h, d, n) for f, n in counts),
+        bits_per_element=p.bits_per_element(h, d, model.layers),
+        bytes_per_sequence=seq,
+        total_bytes=batch * seq,
+        ratio_vs_fp16=batch * seq / fp16_total,
+        sink_bytes_per_sequence=sum(n * f.sink_bytes(h, d, TAIL_ELEMENT_BYTES) for f, n in counts),
+    )
+    if budget is not None:
+        row.max_batch = max(0, budget // seq)
+        lo, hi, room = 0, 1, budget // batch  # the longest context whose bytes fit: per_seq grows with tokens
+        while per_seq(hi) <= room and hi < 2**40:
+            hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if per_seq(mid) <= room else (lo, mid)
+        row.max_context = lo if per_seq(lo) <= room and lo > 0 else 0
+    if shared is not None:
+        row.shared_prefix_total_bytes = sum(shared_prefix_bytes(f, context, batch, shared, h, d, n) for f, n in counts)
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -144,7 +144,9 @@ class LayeredKVCache:
         """The parts' reports merged: layers in model order, totals and block counts summed."""
         reports = [part.memory_report() for part in self.parts]
         layers = [reports[p].layers[local] for p, local in self.where]
-        total = LayerMemory(**{f.name: sum(getattr(r.total, f.name) for r in reports) for f in dataclasses.fields(LayerMemory)})
+        total = LayerMemory(
+            **{f.name: sum(getattr(r.total, f.name) for r in reports) for f in dataclasses.fields(LayerMemory)}
+        )
         notes = [n for r in reports for n in r.notes]
         return MemoryReport(
             format="/".join(r.format for r in reports),

@@ -34,6 +34,16 @@ def _formats(text: str) -> list[str]:
     return [fmt(f) for f in _names(text)]
 
 
+def _budget(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a KL budget is a number of nats, e.g. 0.005; got {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"a KL budget must be a positive finite number of nats, got {text!r}")
+    return v
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "eval",
@@ -86,6 +96,20 @@ def add_parser(subparsers: Any) -> None:
         help="calibration artifact of this model (kvpack calibrate --out DIR), for formats with calibrated "
         "scales such as fp8@static (their scales are recomputed from its statistics)",
     )
+    p.add_argument(
+        "--plan",
+        type=_budget,
+        default=None,
+        metavar="KL_BUDGET",
+        help="also propose the fewest-bits per-layer plan whose mean KL is within this many nats (e.g. 0.005), "
+        "measured through the cache; prints it as a format string cache_for and kvpack size accept",
+    )
+    p.add_argument(
+        "--plan-formats",
+        type=_formats,
+        default=None,
+        help="the formats a plan chooses between, per layer (default int4,int8)",
+    )
     p.add_argument("--threads", type=int_in(1, 4096), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(command="eval")
@@ -135,6 +159,10 @@ def config_from_args(args: argparse.Namespace):
         over["fidelity_tokens"] = args.fidelity_tokens
     if args.speculative_tokens is not None:
         over["speculative_tokens"] = args.speculative_tokens
+    if args.plan is not None:
+        over["plan_budget"] = args.plan
+    if args.plan_formats is not None:
+        over["plan_formats"] = args.plan_formats
     if "formats" in over:
         if "fp16" not in over["formats"]:
             over["formats"] = ["fp16", *over["formats"]]
@@ -149,7 +177,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpack.evaluation.report import summary_table, write_report
+    from kvpack.evaluation.report import plan_line, summary_table, write_report
     from kvpack.evaluation.suite import run_eval
 
     cfg = config_from_args(args)
@@ -169,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(summary_table(results))
+        if "plan" in results:
+            print("\n" + plan_line(results["plan"]))
         print(f"\nreport: {page}  (results: {page.parent / 'results.json'})")
     drift = results.get("calibration", {}).get("drift_warnings", {})
     if drift.get("count"):

@@ -73,6 +73,22 @@ def summary_table(results: dict[str, Any]) -> str:
 # Plots
 
 
+def plan_line(plan: dict[str, Any]) -> str:
+    """The per-layer plan search in words (``results["plan"]``, :mod:`kvpack.evaluation.planner`)."""
+    probes = ", ".join(f"{p['plan']} {p['bits']:.2f} bits KL {p['kl_mean']:.2g}" for p in plan["probes"])
+    c = plan["chosen"]
+    if c is None:
+        return (
+            f"plan: no plan of {', '.join(plan['ladder'])} meets KL <= {plan['budget']:g} (measured: {probes}); "
+            "add a wider format to --plan-formats"
+        )
+    return (
+        f"plan for KL <= {plan['budget']:g}: {c['plan']} ({c['bits']:.2f} bits per element, measured KL "
+        f"{c['kl_mean']:.2g}); use it as a format: kvpack.hf.cache_for(model, format='{c['plan']}'), "
+        f"kvpack size --format '{c['plan']}'. Probes: {probes}"
+    )
+
+
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -285,6 +301,10 @@ def _html(results: dict[str, Any], plots: dict[str, str], plot_note: str) -> str
             ls = attr["layer_sensitivity"]
             parts.append(f"<p>{html.escape(ls['metric'])}, over {ls['tokens']} tokens.</p>")
             parts.append(img("layer_sensitivity", "per-layer sensitivity"))
+
+    if results.get("plan"):
+        parts.append("<h2>Per-layer plan</h2>")
+        parts.append(f"<p>{html.escape(plan_line(results['plan']))}</p>")
 
     spec = results.get("speculative")
     if spec:

@@ -29,6 +29,7 @@ import torch
 
 from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat, parse_format
+from kvpack.plans import LayerPlan, is_plan, parse_plan
 
 __all__ = ["ENGINES", "LoadedModel", "PromptTemplate", "Runner", "engine_available", "load"]
 
@@ -205,7 +206,7 @@ class Runner:
     # -- caches ---------------------------------------------------------------------------------------
     def cache(
         self,
-        fmt: KVFormat | str | None,
+        fmt: KVFormat | LayerPlan | str | None,
         max_tokens: int,
         layer_formats: Sequence[KVFormat | None] | None = None,
     ) -> Any:
@@ -227,6 +228,13 @@ class Runner:
             return SimulatedCache(layer_formats, scales=scales)
         if fmt is None:
             return DynamicCache()
+        if is_plan(fmt):  # a per-layer plan (kvpack.plans): the kvpack engine's layered cache, or the simulation
+            plan = parse_plan(fmt)
+            if self.engine == "simulate":
+                return self.cache(None, max_tokens, layer_formats=plan.formats(self.lm.num_layers))
+            cache = _cache_for()(self.lm.model, format=plan, max_tokens=max_tokens, batch_size=1, backend=self.backend)
+            self._use_attention(self.lm.attn_implementation)
+            return cache
         fmt = parse_format(fmt)
         scales = self.scales_for(fmt)
         if self.engine == "simulate":

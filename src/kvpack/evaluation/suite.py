@@ -7,6 +7,7 @@ configuration and seed (greedy decoding, seeded haystacks and needles); wall-clo
 
 from __future__ import annotations
 
+import math
 import platform
 import random
 import time
@@ -22,11 +23,13 @@ from kvpack.evaluation.attribution import keys_only, layer_sensitivity, values_o
 from kvpack.evaluation.fidelity import summarize, teacher_forced
 from kvpack.evaluation.haystack import build_haystack
 from kvpack.evaluation.needles import DEFAULT_KINDS, KINDS, make_probe
+from kvpack.evaluation.planner import PlanSearch, greedy_plans, search_plan
 from kvpack.evaluation.runner import LoadedModel, Runner
 from kvpack.evaluation.scoring import could_still_match, exact_match, normalize
 from kvpack.evaluation.speculative import assisted_greedy
 from kvpack.evaluation.verdict import compare_needles, verdict
 from kvpack.formats import KVFormat, parse_format
+from kvpack.plans import LayerPlan
 
 __all__ = ["DEFAULT_FORMATS", "EvalConfig", "NullProgress", "Progress", "quick_config", "run_eval"]
 
@@ -58,6 +61,10 @@ class EvalConfig:
         backend: kvpack's decode kernel backend.
         calibration: a calibration artifact folder (``kvpack calibrate --out DIR``) of this model; formats
             with calibrated scales (``fp8@static``) need it and get scales recomputed from its statistics.
+        plan_budget: propose the fewest-bits per-layer plan whose mean KL is within this many nats
+            (:mod:`kvpack.evaluation.planner`); ``None`` skips the search.
+        plan_formats: the plan's ladder of formats (sorted narrowest first by their bits).
+        plan_tokens: length of the teacher-forced text each candidate plan is measured on.
     """
 
     model: str | None = None
@@ -78,6 +85,9 @@ class EvalConfig:
     engine: str = "auto"
     backend: str = "auto"
     calibration: str | None = None
+    plan_budget: float | None = None
+    plan_formats: list[str] = field(default_factory=lambda: ["int4", "int8"])
+    plan_tokens: int = 1024
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming every bad field."""
@@ -95,6 +105,15 @@ class EvalConfig:
             bad.append(f"unknown needle kinds {unknown}; kinds are {', '.join(KINDS)}")
         if self.fidelity_tokens and self.fidelity_tokens < 2:
             bad.append("fidelity_tokens must be 0 (skip) or at least 2")
+        if self.plan_budget is not None:
+            if not self.plan_budget > 0:
+                bad.append(
+                    f"the plan's KL budget must be a positive number of nats (e.g. 0.005), got {self.plan_budget}"
+                )
+            if len(self.plan_formats) < 2:
+                bad.append(f"a plan needs at least two formats to choose between, got {self.plan_formats}")
+            if self.plan_tokens < 64:
+                bad.append(f"plan_tokens must be at least 64, got {self.plan_tokens}")
         if bad:
             raise ConfigError("; ".join(bad))
 
@@ -229,6 +248,39 @@ def _fidelity(
     res = teacher_forced(runner.forward, ids, ref, caches, chunk=cfg.fidelity_chunk, progress=progress.advance)
     progress.end()
     return {name: summarize(r) for name, r in res.items()}, len(ids)
+
+
+def _plan(runner: Runner, cfg: EvalConfig, progress: Progress) -> PlanSearch:
+    """The per-layer plan search (:mod:`kvpack.evaluation.planner`): sensitivity of each ladder format on the
+    sensitivity text, then candidate plans measured through the real cache on ``plan_tokens`` of prose."""
+    lm = runner.lm
+    kv_heads, head_dim = lm.kv_heads, lm.head_dim
+    ladder = sorted((parse_format(f) for f in cfg.plan_formats), key=lambda f: f.bits_per_element(kv_heads, head_dim))
+    text = build_haystack(lm.encode, max(cfg.sensitivity_tokens, 256) + 64, seed=cfg.seed * 1_000_003 + 13).text
+    sens_ids = lm.encode(text)[: max(cfg.sensitivity_tokens, 256)]
+    progress.start("plan: per-layer errors", 1)
+    errs = layer_sensitivity(runner, sens_ids, {f.name: f for f in ladder})
+    progress.advance()
+    progress.end()
+    plans = greedy_plans(ladder, [errs[f.name] for f in ladder])
+    text = build_haystack(lm.encode, cfg.plan_tokens + 64, seed=cfg.seed * 1_000_003 + 7).text
+    ids = lm.encode(text)[: cfg.plan_tokens]
+    progress.start("plan: candidates", max(1, math.ceil(math.log2(len(plans))) + 2))
+
+    def kl_of(p: LayerPlan) -> float:
+        fmt = p.base if p.is_uniform else p
+        ref = runner.cache(None, len(ids))
+        res = teacher_forced(
+            runner.forward, ids, ref, {"plan": runner.cache(fmt, len(ids) + 1)}, chunk=cfg.fidelity_chunk
+        )
+        progress.advance()
+        return float(res["plan"].kl.mean())
+
+    found = search_plan(
+        plans, kl_of, lambda p: p.bits_per_element(kv_heads, head_dim, lm.num_layers), cfg.plan_budget, ladder
+    )
+    progress.end()
+    return found
 
 
 def _speculative(
@@ -462,6 +514,10 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
         progress.end()
         timings["sensitivity"] = time.perf_counter() - t
     results["attribution"] = attribution
+    if cfg.plan_budget is not None:
+        t = time.perf_counter()
+        results["plan"] = _plan(runner, cfg, progress).as_dict()
+        timings["plan"] = time.perf_counter() - t
     if cfg.speculative_tokens:
         t = time.perf_counter()
         results["speculative"] = _speculative(runner, cfg, formats, progress)

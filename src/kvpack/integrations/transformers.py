@@ -37,7 +37,6 @@ from kvpack import kernels
 from kvpack.cache import MemoryReport
 from kvpack.errors import ConfigError, PoolExhaustedError, ShapeError, UnsupportedError
 from kvpack.formats import KVFormat, parse_format
-from kvpack.plans import LayerPlan, is_plan, parse_plan
 from kvpack.integrations.hf_attention import (
     ATTN_IMPLEMENTATION,
     PackedKV,
@@ -48,6 +47,7 @@ from kvpack.integrations.hf_attention import (
     register,
 )
 from kvpack.kernels.views import PagedKV
+from kvpack.plans import LayerPlan, is_plan, parse_plan
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

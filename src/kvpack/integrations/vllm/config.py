@@ -13,6 +13,7 @@ import torch
 
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import KVFormat, parse_format
+from kvpack.plans import is_plan
 from kvpack.sizing import vllm_tail_bytes
 
 __all__ = ["KERNELS", "Settings", "settings_from", "startup_reasons", "tail_pool_bytes"]
@@ -57,6 +58,12 @@ def settings_from(vllm_config: Any) -> Settings | None:
     kernel = raw.get("kernel", "auto")
     if kernel not in KERNELS:
         raise ConfigError(f"kvpack: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if is_plan(raw["format"]):
+        raise ConfigError(
+            f"kvpack: {raw['format']!r} is a per-layer plan, which the vLLM backend does not serve yet (vLLM gives "
+            "every layer the same page size): serve one format, e.g. the plan's widest, or run the plan through "
+            "kvpack.hf.cache_for"
+        )
     try:
         fmt = parse_format(raw["format"])
     except FormatError as e:
