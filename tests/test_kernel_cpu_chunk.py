@@ -23,11 +23,11 @@ import kvpack.kernels as K
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import PRESETS
 from kvpack.kernels import cpu_chunk, reference
-from kvpack.testing import assert_close, random_paged_kv
+from kvpack.testing import CPU_CHUNK_TOL, assert_close, random_paged_kv
 
 pytest.importorskip("numba")
 
-TOL = (1.2e-2, 1e-2)
+TOL = CPU_CHUNK_TOL
 HALF_TOL = {torch.bfloat16: (3e-2, 2e-2), torch.float16: (1.5e-2, 1e-2)}
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "choose_backend",
     "chunk_attention",
     "decode_attention",
+    "fused_chunk_backend",
     "run_backend",
     "run_chunk_backend",
 ]
@@ -202,3 +203,16 @@ def run_chunk_backend(
         q = rotate(q, kv.key_rotation.to(q.device))
         kv = dataclasses.replace(kv, key_rotation=None)
     return mod.chunk_attention(q, kv, sm_scale, window, out)
+
+
+def fused_chunk_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None, backend: str = "auto") -> str | None:
+    """For callers with a fallback of their own (the transformers and vLLM chunk paths): the fused chunk backend
+    to run for a cache whose kernel choice is ``backend``, or None. ``"reference"`` gives None; ``"auto"`` the
+    dispatcher's choice (None where it falls back, after its one-time warning); a forced backend itself if it
+    can run this case, else None (a backend with a decode kernel only is no error there)."""
+    if backend == "reference":
+        return None
+    if backend != "auto":
+        return None if backend_reasons(backend, q, kv, window, CHUNK_BACKENDS) else backend
+    name = choose_backend(q, kv, window, "auto", CHUNK_BACKENDS)
+    return None if name == "reference" else name
