@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from kvpack.errors import UnsupportedError
+from kvpack.formats import DType
 from kvpack.kernels.views import PagedKV
 from kvpack.rotation import rotate
 
@@ -209,8 +210,9 @@ def fused_chunk_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None,
     """For callers with a fallback of their own (the transformers and vLLM chunk paths): the fused chunk backend
     to run for a cache whose kernel choice is ``backend``, or None. ``"reference"`` gives None; ``"auto"`` the
     dispatcher's choice (None where it falls back, after its one-time warning); a forced backend itself if it
-    can run this case, else None (a backend with a decode kernel only is no error there)."""
-    if backend == "reference":
+    can run this case, else None (a backend with a decode kernel only is no error there). A cache that stores
+    values in float32 (a lossless format) gets None too: the fused chunk kernels round values to bfloat16."""
+    if backend == "reference" or kv.format.value.dtype is DType.FP32:
         return None
     if backend != "auto":
         return None if backend_reasons(backend, q, kv, window, CHUNK_BACKENDS) else backend
