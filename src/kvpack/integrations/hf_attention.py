@@ -7,7 +7,8 @@ calls :func:`kvpack_attention` (registered in ``AttentionInterface``) with the :
 
 * one new token per sequence (a decode step): the fused decode kernel, :func:`kvpack.kernels.decode_attention`;
 * several (prefill, a question after a cached document, the candidates of assisted generation):
-  :func:`chunk_attention` over the quantized history (sealed blocks dequantized on the fly, plus the tail).
+  :func:`chunk_attention`: the fused multi-query kernel (:func:`kvpack.kernels.chunk_attention`) where one can
+  run, else SDPA over the history dequantized once per sequence.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "PackedKV",
     "PaddingInfo",
     "chunk_attention",
+    "dequantized_chunk_attention",
     "kvpack_attention",
     "kvpack_mask",
     "register",
@@ -99,24 +101,44 @@ class PackedKV:
 
 
 def chunk_attention(
-    q: torch.Tensor, kv: PagedKV, sm_scale: float | None = None, window: int | None = None
+    q: torch.Tensor, kv: PagedKV, sm_scale: float | None = None, window: int | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Attention of the last ``T`` positions of each sequence over its cached history (quantized blocks + tail).
 
-    The same contract as :func:`kvpack.kernels.reference.paged_attention_reference` (causal, ``window``,
-    ``kv.start_pos``, fully masked rows give zeros), but the history is dequantized once per sequence and
-    queries run through ``torch.nn.functional.scaled_dot_product_attention`` in chunks, so a 4k-token prefill
-    needs scratch for ``[Hq, 512, seq_len]`` scores, not ``[Hq, T, seq_len]``.
+    The contract of :func:`kvpack.kernels.reference.paged_attention_reference` (causal, ``window``,
+    ``kv.start_pos``, fully masked rows give zeros). Runs the fused chunk kernel
+    (:func:`kvpack.kernels.run_chunk_backend`) when the dispatcher finds one that can run this case
+    (``backend``: ``"auto"``, or a forced ``"cpu"`` / ``"triton"``); otherwise (``"reference"``, or no fused
+    kernel: the dispatcher's one-time warning says why in ``auto`` mode) :func:`dequantized_chunk_attention`.
 
     Args:
         q: ``[batch, T, Hq, D]``, float; ``Hq`` a multiple of ``kv.kv_heads``.
         kv: the layer's paged cache, the chunk's own tokens already appended.
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         window: sliding window (positions ``> p - window`` are attended).
+        backend: the cache's kernel choice.
 
     Returns:
         ``[batch, T, Hq, D]`` in ``q.dtype``.
     """
+    name = _chunk_backend(q, kv, window, backend)
+    if name is None:
+        return dequantized_chunk_attention(q, kv, sm_scale, window)
+    return kernels.run_chunk_backend(name, q, kv, sm_scale, window)
+
+
+def _chunk_backend(q: torch.Tensor, kv: PagedKV, window: int | None, backend: str) -> str | None:
+    """The fused chunk backend to run, or None for the dequantize-then-SDPA path
+    (:func:`kvpack.kernels.fused_chunk_backend`)."""
+    return kernels.fused_chunk_backend(q, kv, window, backend)
+
+
+def dequantized_chunk_attention(
+    q: torch.Tensor, kv: PagedKV, sm_scale: float | None = None, window: int | None = None
+) -> torch.Tensor:
+    """:func:`chunk_attention` without a fused kernel: the history is dequantized once per sequence and
+    queries run through ``torch.nn.functional.scaled_dot_product_attention`` in chunks, so a 4k-token prefill
+    needs scratch for ``[Hq, 512, seq_len]`` scores, not ``[Hq, T, seq_len]``. Arguments as :func:`chunk_attention`."""
     check_query(q, kv)
     batch, t, hq, d = q.shape
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -221,7 +243,7 @@ def kvpack_attention(
             cache.fused_decode_calls += 1
         return out.unsqueeze(1), None  # [batch, 1, Hq, D]
     cache.chunk_calls += 1
-    return chunk_attention(query.transpose(1, 2), kv, scaling, window), None
+    return chunk_attention(query.transpose(1, 2), kv, scaling, window, cache.backend), None
 
 
 def kvpack_mask(

@@ -15,7 +15,13 @@ from kvpack.kernels.views import PagedKV
 from kvpack.outliers import apply_residual
 from kvpack.quant import QuantizedTensor, dequantize
 
-__all__ = ["decode_attention", "dense_history", "paged_attention_reference", "reasons_unsupported"]
+__all__ = [
+    "chunk_attention",
+    "decode_attention",
+    "dense_history",
+    "paged_attention_reference",
+    "reasons_unsupported",
+]
 
 
 def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +170,22 @@ def decode_attention(
 ) -> torch.Tensor:
     """Decode attention, one query per sequence: ``q`` ``[batch, Hq, D]`` -> ``[batch, Hq, D]``."""
     res = paged_attention_reference(q.unsqueeze(1), kv, sm_scale, window)[:, 0]
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The chunk backend contract over :func:`paged_attention_reference`: ``q`` ``[batch, T, Hq, D]`` ->
+    ``[batch, T, Hq, D]`` (into ``out`` when given)."""
+    res = paged_attention_reference(q, kv, sm_scale, window)
     if out is not None:
         out.copy_(res)
         return out

@@ -8,8 +8,8 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
 3. attends: decode rows (one query) through :func:`kvpack.kernels.decode_attention`, which reads the packed pages
    in place; rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
-   :func:`kvpack.kernels.reference.paged_attention_reference`, which dequantizes that request's history: the
-   slow path, until the fused multi-query kernel exists.
+   the fused chunk kernel (:func:`kvpack.kernels.run_chunk_backend`; rows with the same number of queries in one
+   call), or :func:`kvpack.kernels.reference.paged_attention_reference` where none can run.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan
-from kvpack.kernels import decode_attention
+from kvpack.kernels import decode_attention, fused_chunk_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import _raise_non_finite, quantize
@@ -199,8 +199,17 @@ class PagedLayer:
             kv = self.view(kv_cache, st, rows)
             res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
             out[st.decode_tokens] = res.to(out.dtype)
+        by_len: dict[int, list[int]] = {}  # prefill rows with the same number of queries share one call
         for i in st.prefill_rows.tolist():
-            a, e = int(plan.query_start[i]), int(plan.query_start[i + 1])
-            kv = self.view(kv_cache, st, torch.tensor([i]))
-            res = paged_attention_reference(query[a:e].unsqueeze(0), kv, sm_scale=sm_scale)
-            out[a:e] = res[0].to(out.dtype)
+            by_len.setdefault(int(plan.query_start[i + 1]) - int(plan.query_start[i]), []).append(i)
+        for t, rows in by_len.items():
+            starts = [int(plan.query_start[i]) for i in rows]
+            q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
+            kv = self.view(kv_cache, st, torch.tensor(rows))
+            name = fused_chunk_backend(q, kv, None, kernel)
+            if name is None:
+                res = paged_attention_reference(q, kv, sm_scale=sm_scale)
+            else:
+                res = run_chunk_backend(name, q, kv, sm_scale)
+            for a, r in zip(starts, res):
+                out[a : a + t] = r.to(out.dtype)

@@ -1,0 +1,198 @@
+"""The fused CPU chunk backend: many queries per sequence (a prefill chunk, the question after a cached
+document, prefix-cache hits, draft verification) over the paged cache, without dequantizing the history.
+
+The compiled loops live in :mod:`kvpack.kernels.cpu_chunk_numba` (imported on first use, so ``import kvpack``
+never pulls in numba). The view is checked and turned into numba arguments by the decode backend's
+preparation (:mod:`kvpack.kernels.cpu`: the same checks, spec vectors, block-strided pools read in place,
+outlier pools), so both backends accept exactly the same views. Every format the decode backend takes is
+covered, on one float path (bfloat16 products with float32 sums, see the numba module); there is no integer
+path here.
+
+Threads: numba's (``prange`` over sequence x kv head x row tile), as many as ``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpack.errors import ShapeError
+from kvpack.kernels import cpu
+from kvpack.kernels.views import PagedKV, refuse_rotated
+
+__all__ = [
+    "ROWS_PER_TILE",
+    "STEP_TOKENS",
+    "SUPPORTS_OUTLIERS",
+    "SUPPORTS_SINK",
+    "chunk_attention",
+    "reasons_unsupported",
+    "scratch_bytes",
+]
+
+SUPPORTS_OUTLIERS = True
+SUPPORTS_SINK = True
+
+_LOG2E = 1.4426950408889634
+# Query rows (t * G + g) per work item: each sealed block is dequantized once per item, so more rows share
+# one dequantization; fewer leave more items for the threads. A multiple of the register tile (6 rows).
+ROWS_PER_TILE = 384
+# Positions per softmax step (whole blocks, at least one): one score tile [rows, step], one rescale per step.
+STEP_TOKENS = 128
+
+
+@lru_cache(maxsize=1)
+def _nb() -> Any:
+    from kvpack.kernels import cpu_chunk_numba
+
+    return cpu_chunk_numba
+
+
+def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
+    """Why the CPU chunk kernel cannot run this case (empty list: it can): those of the decode backend
+    (:func:`kvpack.kernels.cpu.reasons_unsupported`: numba, devices, dtypes, packed int4/int2 layouts)."""
+    return cpu.reasons_unsupported(q, kv, window)
+
+
+def spec_vector(p: np.ndarray) -> np.ndarray:
+    """The chunk kernel's spec vector (``cpu_chunk_numba.C_*``) from the decode kernel's (``cpu_numba.P_*``)."""
+    d, c = cpu._nb(), _nb()
+    out = np.zeros(c.N_SPEC, np.int64)
+    kinds = {d.S8: c.S8, d.U8: c.U8, d.U4: c.U4, d.U2: c.U2, d.E4M3: c.E4M3, d.E5M2: c.E5M2, d.FLT: c.FLT}
+    fks = {d.FK_F16: c.FK_F16, d.FK_BF16: c.FK_BF16, d.FK_F32: c.FK_F32}
+    scs = {d.SC_NONE: c.SC_NONE, d.SC_F32: c.SC_F32, d.SC_F16: c.SC_F16, d.SC_BF16: c.SC_BF16, d.SC_E8M0: c.SC_E8M0}
+    out[c.C_KIND] = kinds[int(p[d.P_KIND])]
+    out[c.C_FK] = fks[int(p[d.P_FK])]
+    out[c.C_SKIND] = scs[int(p[d.P_SKIND])]
+    out[c.C_ZKIND] = scs[int(p[d.P_ZKIND])]
+    for src, dst in ((d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
+                     (d.P_ROW, c.C_ROW), (d.P_BST, c.C_BST), (d.P_SBST, c.C_SBST), (d.P_ZBST, c.C_ZBST),
+                     (d.P_NOUT, c.C_NOUT), (d.P_IDX16, c.C_IDX16)):  # fmt: skip
+        out[dst] = p[src]
+    return out
+
+
+def _step_blocks(block_size: int) -> int:
+    return max(1, STEP_TOKENS // block_size)
+
+
+def scratch_bytes(kv: PagedKV, t: int, group: int, threads: int | None = None) -> int:
+    """Bytes of scratch the kernel allocates at most at once for ``t`` queries of ``group`` heads per kv
+    head: one work item's tiles per thread (queries, scores, weights, accumulators, the step's keys and values
+    in float32 and as bfloat16 words), independent of the history's length."""
+    nbm = _nb()
+    threads = threads or max(1, torch.get_num_threads())
+    rows = min(ROWS_PER_TILE, t * group)
+    rp = -(-rows // nbm.MR) * nbm.MR
+    dp = -(-kv.head_dim // nbm.NL) * nbm.NL
+    nkp = -(-(_step_blocks(kv.block_size) * kv.block_size) // nbm.NL) * nbm.NL
+    words = rp * 3 * dp // 2 + rp * nkp // 2 + 3 * dp // 2 * nkp + nkp // 2 * dp  # uint32 tiles
+    floats = rp * nkp + rp * dp + 2 * rp + 2 * nkp * dp
+    return threads * 4 * (words + floats + rp * 4)
+
+
+def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
+    h, d = kv.kv_heads, kv.head_dim
+    if q.dim() != 4 or q.shape[0] != kv.batch or q.shape[3] != d or q.shape[2] % h or q.shape[1] < 1:
+        raise ShapeError(f"q must be [batch={kv.batch}, T >= 1, Hq (a multiple of {h}), D={d}], got {tuple(q.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
+
+
+def _check_contents(kv: PagedKV, t: int) -> None:
+    """Lengths and block ids (contents: checked on every call)."""
+    lens = kv.seq_lens
+    if int(lens.min()) < t:
+        raise ShapeError(
+            f"every sequence must hold the chunk's {t} tokens (append the chunk first), got seq_lens {lens.tolist()}"
+        )
+    nsealed = int(lens.max()) // kv.block_size
+    if nsealed > kv.block_tables.shape[1]:
+        raise ShapeError(f"block_tables has {kv.block_tables.shape[1]} columns, too few for seq_len {int(lens.max())}")
+    num_blocks = kv.k_data.shape[0]
+    cols = torch.arange(kv.block_tables.shape[1]).view(1, -1)
+    used = kv.block_tables[cols < (lens.view(-1, 1).long() // kv.block_size)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
+
+
+_EMPTY4 = np.zeros((0, 1, 1, 1), np.float32)
+_NO_START = np.zeros(0, np.int32)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused attention of the last ``T`` positions of each sequence over its paged history, on the CPU.
+
+    Same semantics as :func:`kvpack.kernels.reference.paged_attention_reference`: the chunk's own tokens are
+    already in the cache, query ``i`` sits at position ``seq_len - T + i`` and attends causally, positions
+    before ``kv.start_pos`` are masked, a row with nothing to attend returns zeros.
+
+    Args:
+        q: ``[batch, T, Hq, D]``, float32/float16/bfloat16; ``Hq`` a multiple of ``kv.kv_heads``.
+        kv: the layer's paged cache.
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        window: a query at position ``p`` attends only positions ``> p - window``; ``None`` for all.
+        out: optional ``[batch, T, Hq, D]`` buffer, dtype of ``q``.
+
+    Returns:
+        ``[batch, T, Hq, D]`` in ``q.dtype`` (``out`` when given).
+
+    Raises:
+        ShapeError: inconsistent shapes or dtypes, a block id outside the pools, a sequence shorter than ``T``.
+        UnsupportedError: a view of rotated keys: go through :func:`kvpack.kernels.chunk_attention`.
+    """
+    refuse_rotated(kv)
+    prep = cpu._prepare(kv)
+    _check_call(q, kv, out)
+    _check_contents(kv, q.shape[1])
+    if kv.k_outlier is not None:
+        cpu._check_outlier_channels(kv)
+    nbm = _nb()
+    d = kv.head_dim
+    sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    qf = q.detach().float().contiguous().numpy()
+    q_lo = q.dtype != torch.bfloat16  # a bfloat16 query is its own high part: its scores need no low part
+    ks, kz, vs, vz, ko, ki = (
+        v if v is not None else cpu._views(t)
+        for v, t in zip(prep.views, (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier, kv.k_outlier_idx))
+    )
+    tables = prep.tables if prep.tables is not None else kv.block_tables.contiguous().numpy()
+    seq_lens = prep.seq_lens if prep.seq_lens is not None else kv.seq_lens.contiguous().numpy()
+    start = _NO_START if kv.start_pos is None else kv.start_pos.contiguous().numpy()
+    tk, tv = (t.detach().float().contiguous().numpy() for t in (kv.tail_k, kv.tail_v))
+    if kv.sink_k is not None:
+        sk, sv = (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
+    else:
+        sk = sv = _EMPTY4
+    group = q.shape[2] // kv.kv_heads
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    res = out.numpy() if direct else np.empty(qf.shape, np.float32)
+    _set_threads()
+    nbm.chunk(
+        qf, prep.k_data or cpu._views(kv.k_data), ks, kz, spec_vector(prep.kp),
+        prep.v_data or cpu._views(kv.v_data), vs, vz, spec_vector(prep.vp), ko, ki, tk, tv, sk, sv,
+        tables, seq_lens, start, -1 if window is None else int(window), group, np.float32(sm * _LOG2E), q_lo, ROWS_PER_TILE,
+        _step_blocks(kv.block_size), res,
+    )  # fmt: skip
+    if direct:
+        return out
+    result = torch.from_numpy(res)
+    if out is not None:
+        return out.copy_(result)
+    return result.to(q.dtype)
+
+
+def _set_threads() -> None:
+    import numba
+
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
