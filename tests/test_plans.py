@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -164,11 +166,9 @@ def test_a_plan_cache_in_transformers_matches_the_single_formats_it_is_made_of()
 
 
 def test_the_vllm_backend_refuses_a_plan_with_one_line_saying_what_to_do():
-    class Cfg:
-        additional_config = {"kvpack": {"format": "int4/int8[0]"}}
-
+    cfg = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8[0]"}})
     with pytest.raises(ConfigError, match="per-layer plan, which the vLLM backend does not serve yet"):
-        settings_from(Cfg())
+        settings_from(cfg)
 
 
 def test_greedy_plans_widen_the_worst_layer_first_and_the_search_measures_what_it_picks():
