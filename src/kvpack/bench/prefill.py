@@ -6,8 +6,11 @@ A declarative sweep: (context, chunk, batch) x providers -> rows. Providers:
   full-precision history ``[batch, kv_heads, n, head_dim]``, the chunk's causal mask as a boolean
   ``[G * T, n]`` mask; grouped-query attention as rows (``q`` viewed ``[batch, kv_heads, G * T, head_dim]``, the
   decode benchmark's fastest fair form: no expanded K/V);
-* ``reference-<format>``: today's path (:func:`kvpack.kernels.reference.paged_attention_reference`: the history
-  dequantized, full score matrix);
+* ``reference-<format>``: the oracle (:func:`kvpack.kernels.reference.paged_attention_reference`: the history
+  dequantized, full score matrix), the vLLM backend's prefill before the fused kernel;
+* ``dequant-sdpa-<format>``: the transformers chunk path's fallback
+  (:func:`kvpack.integrations.hf_attention.dequantized_chunk_attention`: the history dequantized once per
+  sequence, SDPA over it in query chunks of 512);
 * ``kvpack-<format>``: :func:`kvpack.kernels.chunk_attention` on the fused CPU kernel.
 
 Columns: provider, context, chunk, batch, median_ms, the ratio to sdpa-fp32 (> 1: faster), and extra_mb: the
@@ -78,6 +81,7 @@ def _time(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
 
 def run_sweep(cfg: PrefillConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run the sweep; one row per (context, chunk, batch, provider)."""
+    from kvpack.integrations.hf_attention import dequantized_chunk_attention
     from kvpack.kernels import chunk_attention, cpu_chunk
     from kvpack.kernels.reference import paged_attention_reference
 
@@ -109,6 +113,9 @@ def run_sweep(cfg: PrefillConfig, progress: Callable[[str], None] | None = None)
                 for f, kv in paged.items():
                     if cfg.reference:
                         cases.append((f"reference-{f}", lambda kv=kv, q=q: paged_attention_reference(q, kv), 0, 1))
+                    # the transformers chunk path without a fused kernel: dequantize once, SDPA in query chunks
+                    cases.append((f"dequant-sdpa-{f}", lambda kv=kv, q=q: dequantized_chunk_attention(q, kv), 0,
+                                  cfg.repeats))  # fmt: skip
                     floor = cpu_chunk.scratch_bytes(kv, t, g_n) + 2 * kv.tail_k.numel() * 4
                     cases.append((f"kvpack-{f}", lambda kv=kv, q=q, o=out: chunk_attention(q, kv, backend="cpu", out=o), floor,
                                   cfg.repeats))  # fmt: skip

@@ -6,8 +6,9 @@ prefix sharing, fork / crop, offload to a host tier, memory report.
 >>> sid = cache.add_sequence()
 """
 
+from kvpack.cache.layered import LayeredKVCache
 from kvpack.cache.paged import PagedKVCache
 from kvpack.cache.pool import NULL_BLOCK, BlockPool
 from kvpack.cache.report import LayerMemory, MemoryReport
 
-__all__ = ["NULL_BLOCK", "BlockPool", "LayerMemory", "MemoryReport", "PagedKVCache"]
+__all__ = ["NULL_BLOCK", "BlockPool", "LayerMemory", "LayeredKVCache", "MemoryReport", "PagedKVCache"]

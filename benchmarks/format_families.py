@@ -1,0 +1,87 @@
+"""Formats on the embedded model and on its biased-key stress model: teacher-forced KL through kvpack's cache.
+
+    python benchmarks/format_families.py [--tokens 1024] [--formats fp8,fp8-plain,...] [--out FILE]
+
+The stress model is the embedded SmolLM2-135M with a planted ``k_proj`` bias (:func:`kvpack.models.stress.add_key_bias`),
+the feature of the Qwen2 family that made the former ``fp8`` preset (rotated, not centred) fall behind plain e4m3.
+Each model is compared with its own full-precision cache on the same prose (``pydoc_data.topics``), in chunks of
+128 tokens, through the kvpack engine (the paged cache, the fused kernels). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import pydoc_data.topics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from kvpack.evaluation.fidelity import teacher_forced
+from kvpack.evaluation.runner import Runner, load
+from kvpack.fsutil import atomic_write_text
+from kvpack.models.stress import add_key_bias
+
+DEFAULT = "fp8,fp8-plain,k=fp8:head:rot,v=fp8:head,sink=1,int8,int4,k4v2"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def measure(biased: bool, tokens: int, formats: list[str]) -> dict[str, dict[str, float]]:
+    lm = load(None)
+    ids = lm.tokenizer(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
+    if biased:
+        add_key_bias(lm.model, ids[:256])
+    doc = ids[5000 : 5000 + tokens]
+    r = Runner(lm, engine="kvpack")
+    caches = {f: r.cache(f, tokens + 64) for f in formats}
+    res = teacher_forced(r.forward, doc, r.cache(None, tokens + 64), caches, chunk=128)
+    return {
+        f: {"kl_mean": float(x.kl.mean()), "kl_p99": float(x.kl.quantile(0.99)), "top1": float(x.agree.mean())}
+        for f, x in res.items()
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--formats", default=DEFAULT, help="formats separated by ';' or a kvpack format list")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/format_families.json")
+    args = ap.parse_args()
+    from kvpack.formats import split_formats
+
+    torch.set_num_threads(args.threads)
+    formats = split_formats(args.formats)
+    t0 = time.time()
+    rows = {
+        "embedded": measure(False, args.tokens, formats),
+        "embedded + k_proj bias": measure(True, args.tokens, formats),
+    }
+    print(f"{'format':36s} " + " ".join(f"{m:>28s}" for m in rows))
+    for f in formats:
+        cells = [f"KL {rows[m][f]['kl_mean']:.2e} top-1 {100 * rows[m][f]['top1']:.1f}%" for m in rows]
+        print(f"{f:36s} " + " ".join(f"{c:>28s}" for c in cells))
+    out = {
+        "command": "python benchmarks/format_families.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "commit": _commit(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "tokens": args.tokens,
+        "seconds": round(time.time() - t0, 1),
+        "models": rows,
+    }
+    atomic_write_text(Path(args.out), json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
