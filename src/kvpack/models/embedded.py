@@ -196,7 +196,7 @@ def convert_gguf(gguf: Path, out: Path, marker: dict[str, Any], dtype: torch.dty
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, local_files_only=True
+            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, local_files_only=True, **_dequantize_kwargs()
         )
     except ImportError as e:
         raise ConfigError(f"reading the GGUF needs the gguf package: pip install 'kvpack[hf]' ({e})") from e
@@ -207,6 +207,16 @@ def convert_gguf(gguf: Path, out: Path, marker: dict[str, Any], dtype: torch.dty
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _write_marker(out, marker)
+
+
+def _dequantize_kwargs() -> dict[str, Any]:
+    """Ask for float weights explicitly: transformers >= 5.24 keeps GGUF weights packed (``GgufLinear``, not
+    saveable as a plain model) whenever the ``kernels`` package is installed."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # pragma: no cover - older transformers always dequantize
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 def _write_marker(out: Path, marker: dict[str, Any]) -> None:
