@@ -173,9 +173,10 @@ def test_unknown_model_path_lists_registered_names(tmp_path: Path):
 # --- the real models (slow): converted once into the user's kvpack cache, as `kvpack eval --model NAME` does ---
 
 _FEATURES = {
-    # name: (layers, q heads, kv heads, head_dim, k_proj bias, QK-norm, sliding window)
-    "gemma3-270m": (18, 4, 1, 256, False, True, 512),
-    "qwen2.5-coder-1.5b": (28, 12, 2, 128, True, False, None),
+    # name: (layers, q heads, kv heads, head_dim, k_proj bias, QK-norm, sliding window, greedy text after
+    # "The capital of France is"; the gemma model is a base model: " the capital of the country of France.")
+    "gemma3-270m": (18, 4, 1, 256, False, True, 512, "France"),
+    "qwen2.5-coder-1.5b": (28, 12, 2, 128, True, False, None, "Paris"),
 }
 
 
@@ -197,7 +198,7 @@ def test_registered_model_converts_loads_and_has_its_features(name: str):
 
     loaded, tokenizer = embedded.load_model(name)
     cfg = loaded.config
-    layers, q_heads, kv_heads, head_dim, bias, qk_norm, window = _FEATURES[name]
+    layers, q_heads, kv_heads, head_dim, bias, qk_norm, window, expected = _FEATURES[name]
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (layers, q_heads, kv_heads)
     attn = loaded.model.layers[0].self_attn
     assert attn.k_proj.out_features == kv_heads * head_dim
@@ -209,5 +210,5 @@ def test_registered_model_converts_loads_and_has_its_features(name: str):
         assert cfg.sliding_window == window and "sliding_attention" in cfg.layer_types
     assert loaded.dtype == torch.float32 and tokenizer.pad_token is not None
     ids = tokenizer("The capital of France is", return_tensors="pt")
-    out = loaded.generate(**ids, max_new_tokens=4, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
+    out = loaded.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert expected in tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
