@@ -200,6 +200,9 @@ def convert_gguf(gguf: Path, out: Path, marker: dict[str, Any], dtype: torch.dty
         )
     except ImportError as e:
         raise ConfigError(f"reading the GGUF needs the gguf package: pip install 'kvpack[hf]' ({e})") from e
+    if _gguf_flag(gguf, "tokenizer.ggml.add_bos_token") and getattr(tokenizer, "add_bos_token", None) is False:
+        # transformers 5.19 drops this flag (5.24 keeps it): gemma without its <bos> repeats "The The The".
+        tokenizer.add_bos_token = True
     # The weights are dequantized on load: what is saved is a plain model, not a GGUF-quantized one.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -207,6 +210,17 @@ def convert_gguf(gguf: Path, out: Path, marker: dict[str, Any], dtype: torch.dty
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _write_marker(out, marker)
+
+
+def _gguf_flag(gguf: Path, key: str) -> bool:
+    """A boolean metadata entry of the GGUF (``False`` when absent or unreadable)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(gguf)).fields.get(key)
+        return field is not None and bool(field.contents())
+    except Exception:  # an old gguf without contents(), or a file the loader already accepted but this cannot read
+        return False
 
 
 def _dequantize_kwargs() -> dict[str, Any]:
