@@ -32,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="local Hugging Face model folder, or a registered test model such as gemma3-270m "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--samples", type=int_in(1, 1 << 20), default=16, help="calibration windows (default 16)")
     p.add_argument("--seq-len", type=int_in(2, 1 << 20), default=256, help="tokens per window (default 256)")
     p.add_argument(

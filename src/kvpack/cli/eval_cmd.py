@@ -56,7 +56,11 @@ def add_parser(subparsers: Any) -> None:
             "formats fp16 (baseline), fp8, int8, int4, k4v2, kivi2, int4-g32."
         ),
     )
-    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model folder, or a registered test model such as gemma3-270m (default: the embedded model)",
+    )
     p.add_argument(
         "--formats",
         type=_formats,

