@@ -1,6 +1,6 @@
 """Formats on the embedded model and on its biased-key stress model: teacher-forced KL through kvpack's cache.
 
-    python benchmarks/format_families.py [--tokens 1024] [--formats fp8,fp8-plain,...] [--out FILE]
+    python benchmarks/format_families.py [--tokens 1024] [--formats fp8,fp8-plain,...] [--models embedded,biased,gemma3-270m]
 
 The stress model is the embedded SmolLM2-135M with a planted ``k_proj`` bias (:func:`kvpack.models.stress.add_key_bias`),
 the feature of the Qwen2 family that made the former ``fp8`` preset (rotated, not centred) fall behind plain e4m3.
@@ -35,8 +35,9 @@ def _commit() -> str:
         return "unknown"
 
 
-def measure(biased: bool, tokens: int, formats: list[str]) -> dict[str, dict[str, float]]:
-    lm = load(None)
+def measure(model: str, tokens: int, formats: list[str]) -> dict[str, dict[str, float]]:
+    biased = model == "biased"
+    lm = load(None if model in ("embedded", "biased") else model)
     ids = lm.tokenizer(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
     if biased:
         add_key_bias(lm.model, ids[:256])
@@ -55,6 +56,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--formats", default=DEFAULT, help="formats separated by ';' or a kvpack format list")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--models",
+        default="embedded,biased",
+        help="embedded, biased (the embedded model with a k_proj bias), or registered test models (gemma3-270m, ...)",
+    )
     ap.add_argument("--out", default="benchmarks/results/format_families.json")
     args = ap.parse_args()
     from kvpack.formats import split_formats
