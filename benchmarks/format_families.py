@@ -68,10 +68,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     formats = split_formats(args.formats)
     t0 = time.time()
-    rows = {
-        "embedded": measure(False, args.tokens, formats),
-        "embedded + k_proj bias": measure(True, args.tokens, formats),
-    }
+    names = {"embedded": "embedded", "biased": "embedded + k_proj bias"}
+    rows = {names.get(m, m): measure(m, args.tokens, formats) for m in args.models.split(",")}
     print(f"{'format':36s} " + " ".join(f"{m:>28s}" for m in rows))
     for f in formats:
         cells = [f"KL {rows[m][f]['kl_mean']:.2e} top-1 {100 * rows[m][f]['top1']:.1f}%" for m in rows]
