@@ -202,6 +202,19 @@ def _max_i32(typingctx, a, b):
     return types.int32(a, b), codegen
 
 
+@intrinsic
+def _min_i32(typingctx, a, b):
+    """The smaller of two int32, as an int32 (see :func:`_max_i32`)."""
+    if a != types.int32 or b != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = args
+        return builder.select(builder.icmp_signed("<", x, y), x, y)
+
+    return types.int32(a, b), codegen
+
+
 @njit(**_NOREF)
 def _order_key(x):
     """An int32 that orders like the float32 ``x`` (NaN aside): max/min reductions over it vectorize, where
@@ -1354,10 +1367,24 @@ def _spread(x, n):
     for i in range(un):
         emax = _max_i32(emax, np.int32(_abs_bits(x[i]) >> 23))
     floor = np.int32(emax - 24)
-    tot = np.int64(0)
+    tot = np.int64(0)  # the sum of the floored exponents: one max and one add per element (vectorizes)
     for i in range(un):
-        tot += emax - _max_i32(np.int32(_abs_bits(x[i]) >> 23), floor)
-    return tot
+        tot += _max_i32(np.int32(_abs_bits(x[i]) >> 23), floor)
+    return np.int64(emax) * np.int64(n) - tot
+
+
+@njit(inline="always", **_NOREF)
+def _orders(x, n):
+    """Binary orders between the largest and the smallest magnitude of ``x[:n]`` (float32; from the exponent
+    bits, one pass of int32 max and min that vectorizes): no element lies further below the largest, so ``n``
+    times it bounds :func:`_spread` from above, a cheap test before it."""
+    hi = np.int32(0)
+    lo = np.int32(0x7FFFFFFF)
+    for i in range(U64(n)):
+        a = _abs_bits(x[i])
+        hi = _max_i32(hi, a)
+        lo = _min_i32(lo, a)
+    return np.int64(hi >> np.int32(23)) - np.int64(lo >> np.int32(23))
 
 
 @njit(inline="always", **_NOREF)
@@ -1390,7 +1417,8 @@ def _values_fit(vpay, vp, sv, nsv, base, n):
     ``vp[P_SPREAD]`` orders of their largest, and fp8 codes reaching ``vp[P_CMIN]``."""
     if vp[P_CMIN] > 0 and not _codes_reach(vpay[0], base, n, vp[P_CMIN]):
         return False
-    return vp[P_SPREAD] <= 0 or nsv <= 1 or _spread_ok(sv, nsv, vp[P_SPREAD])
+    lim = vp[P_SPREAD]
+    return lim <= 0 or nsv <= 1 or _orders(sv, nsv) <= lim or _spread_ok(sv, nsv, lim)
 
 
 @njit(inline="always", **_NOREF)
@@ -1497,7 +1525,8 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
-def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt):
+def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
+                  qspread):  # fmt: skip
     """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window) with one softmax step, on the
     integer path with key scales constant over a block's tokens (see :func:`_multi_eligible`).
 
@@ -1510,7 +1539,12 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
     ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points
     per block; mpk ``[M * G4]`` each block's largest score, then its largest p; mwinv ``[M, G4]`` each block's weight unit), with
-    ``M = kp[P_MULTI] >= nb``."""
+    ``M = kp[P_MULTI] >= nb``.
+
+    Each block is checked before its key loop, from the scales just read for it (:func:`_multi_fits`): the
+    first that would lose the format's accuracy on the integer path ends the run (nothing of it computed but
+    the fold). Returns the number of blocks done (``< nb``: block ``j + that`` is left to the float path);
+    ``qspread``: ``D`` times the query's largest spread over its heads (:func:`_spread`)."""
     qp, m, lsum, acc, zacc, w, qf, kc, sk, zk, pk, zp, q16, qinv = (st[0], st[2], st[3], st[4], st[5], st[7], st[9],
         st[10], st[11], st[12], st[15], st[16], st[19], st[21])  # fmt: skip
     msc, mw, msv, mzv, mpk, mwinv = mt
@@ -1531,8 +1565,11 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     kfar, vfar = kp[P_FAR], vp[P_FAR]
     ubs = U64(bs)
     g4 = mwinv.shape[1]
-    # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included
-    for i in range(nb):
+    nsv = vts * vcs
+    guards = kp[P_SPREAD] > 0 or kp[P_CMIN] > 0 or vp[P_SPREAD] > 0 or vp[P_CMIN] > 0
+    # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included; the value scales msv[i]
+    nrun = nb
+    for i in range(nrun):
         jj = j + i
         idx = np.int64(tables[b, jj])
         nxt = np.int64(tables[b, jj + kfar]) if (kfar and jj + kfar < jp) else np.int64(0)
@@ -1541,6 +1578,12 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
         _fold_keys(kscl, kzero, kp, idx, khs, _ZERO, kcbar, kunit, True, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
         kbase = _row0(kp, idx, h, bs)
+        svi = msv[i]
+        _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vts, vcs, pk, svi)  # after the fold: pk is scratch
+        if guards and not _multi_fits(kpay, kp, vpay, vp, qf, sk, svi, nsv, g_n, kbase, U64(bs) * krs,
+                                      _row0(vp, idx, h, bs), U64(bs) * vrs, qspread):  # fmt: skip
+            nb = i
+            break
         knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
         for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
             kpf = knext if g0 == 0 else U64(0)
@@ -1558,6 +1601,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     # ---- online softmax (base 2), once for the nb blocks. mpk[i * G4 + g]: block i's largest score (from the key
     # loop), then its largest weight p, which with its largest scale bounds its int16 weights (per block, as on
     # the one-block path: a bound shared by the run costs the blocks far from the attention's peak precision)
+    if nb == 0:
+        return nb
     n = U64(nb * bs)
     for g in range(g_n):
         row = msc[g]
@@ -1577,12 +1622,10 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
     # ---- values: scales and zero-point sums per block, then int16 weights per block (as _w16_values)
     vz = vp[P_ZKIND] != SC_NONE
-    nsv = vts * vcs
     flim = np.float32(vp[P_DOT])
     for i in range(nb):
         idx = np.int64(tables[b, j + i])
-        svi = msv[i]
-        _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vts, vcs, pk, svi)
+        svi = msv[i]  # read with the block's keys
         mbits = np.int32(0)
         for e in range(U64(nsv)):
             mbits = _max_i32(mbits, _abs_bits(svi[e]))
@@ -1632,6 +1675,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
             vpf1 = _near_rows(tables, b, jj, jp, False, vp, h, bs, 0) if g0 == 0 else U64(0)
             _vdot_int(vp[P_KIND], vpay[0], vbase, vrs, bs // 2, mw, g0 * ngv * lw + i * bs, 2 * lw, acc, g0 * d, d,
                       vdp, mwinv[i], g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
+    return nb
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
@@ -1850,36 +1894,28 @@ def _multi_eligible(kp, vp):
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
-def _block_fits(kpay, kscl, kzero, kp, vpay, vscl, vp, idx, h, kv_heads, bs, st, qspread):
-    """Whether block ``idx`` keeps the integer path's accuracy for keys and values (:func:`_keys_fit`,
-    :func:`_values_fit`), for specs :func:`_multi_eligible` takes; uses :func:`_attend`'s scratch ``st``.
-    ``qspread``: ``D`` times the largest spread of the query's heads (:func:`_spread`). A product's exponent is
-    the sum of its factors' (+1 at most), so the folded query spreads by at most the query's spread plus the
-    scales' plus one order: only where that bound is over the limit is the query folded to measure it (the
-    bound costs ``D`` steps per block, the fold ``G * D``: 20% of an int8 block's time, measured)."""
-    if kp[P_SPREAD] <= 0 and kp[P_CMIN] <= 0 and vp[P_SPREAD] <= 0 and vp[P_CMIN] <= 0:
-        return True
-    qp, w, qf, kc, sk, zk, sv, pk, zp, q16, qinv = st[0], st[7], st[9], st[10], st[11], st[12], st[13], st[15], st[16], \
-        st[19], st[21]  # fmt: skip
-    g_n = w.shape[0]
-    khs = h // (kv_heads // kp[P_HS])
-    vhs = h // (kv_heads // vp[P_HS])
-    d = qp.shape[1]
-    kbase, kn = _row0(kp, idx, h, bs), U64(bs) * U64(kp[P_ROW])
+def _multi_fits(kpay, kp, vpay, vp, qf, sk, sv, nsv, g_n, kbase, kn, vbase, vn, qspread):
+    """Whether a block of :func:`_attend_multi` keeps the integer path's accuracy for keys and values
+    (:func:`_keys_fit`, :func:`_values_fit`), from what it has read for the block: the key scales ``sk``
+    (``kp[P_CS]``, natural order), the folded query ``qf``, the value scales ``sv`` (``nsv``); ``kbase``,
+    ``kn``, ``vbase``, ``vn``: the payload bytes (fp8 code checks). ``qspread``: ``D`` times the largest spread of
+    the query's heads (:func:`_spread`). A product's exponent is the sum of its factors' (+1 at most), so the
+    folded query spreads by at most the query's spread plus the scales' plus one order: only where that bound
+    is over the limit is the folded query itself measured (``D`` steps per block instead of ``G * D``); before
+    the scales' spread, their orders from largest to smallest (:func:`_orders`) bound it in one pass."""
+    d = qf.shape[1]
     if kp[P_CMIN] > 0 and not _codes_reach(kpay[0], kbase, kn, kp[P_CMIN]):
         return False
-    if kp[P_SPREAD] > 0:
-        kcs = kp[P_CS]
-        _scales(kscl, kp[P_SKIND], _scale0(kp, idx, khs, False), kcs, sk)
+    lim = kp[P_SPREAD]
+    kcs = kp[P_CS]
+    # the bound first from the scales' orders from largest to smallest (one pass), then from their spread
+    if lim > 0 and qspread + (_orders(sk, kcs) + 1) * d > lim * d:
         bound = qspread + (_spread(sk, kcs) * d) // kcs + d
-        if bound > kp[P_SPREAD] * d:
-            _fold_keys(kscl, kzero, kp, idx, khs, _ZERO, _ZERO, np.float32(1.0), False, g_n, qp, qf, kc, sk, zk, pk,
-                       zp, q16, qinv)  # fmt: skip
+        if bound > lim * d:
             for g in range(g_n):
-                if not _spread_ok(qf[g], d, kp[P_SPREAD]):
+                if not _spread_ok(qf[g], d, lim):
                     return False
-    _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vp[P_TS], vp[P_CS], pk, sv)
-    return _values_fit(vpay, vp, sv, vp[P_TS] * vp[P_CS], _row0(vp, idx, h, bs), U64(bs) * U64(vp[P_ROW]))
+    return _values_fit(vpay, vp, sv, nsv, vbase, vn)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
@@ -1888,32 +1924,27 @@ def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1
     """:func:`_attend` over sealed blocks ``[j0, j1)`` of row ``b`` for specs :func:`_multi_eligible` takes: runs of
     up to ``kp[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
     step each); a block the window starts inside goes through :func:`_attend` alone; released blocks are
-    skipped; so is a block whose integer operands would lose accuracy (:func:`_block_fits`: it takes the float path
-    there). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
+    skipped; so is a block whose integer operands would lose accuracy (:func:`_multi_fits`: it ends the run and takes
+    the float path). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
     mlen = kp[P_MULTI]
-    qspread = np.int64(0)  # the query's largest spread over its heads (see _block_fits)
+    qspread = np.int64(0)  # the query's largest spread over its heads (see _multi_fits)
     for g in range(st[7].shape[0]):
         qspread = max(qspread, _spread(st[0][g], st[0].shape[1]))
     j = j0
     while j < j1:
         nb = 0
-        while (
-            nb < mlen
-            and j + nb < j1
-            and tables[b, j + nb] != 0
-            and (j + nb) * bs >= lo
-            and _block_fits(
-                kpay, kscl, kzero, kp, vpay, vscl, vp, np.int64(tables[b, j + nb]), h, kv_heads, bs, st, qspread
-            )
-        ):
+        while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (j + nb) * bs >= lo:
             nb += 1
         if nb > 0:
-            _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt)
-            j += nb
-        else:  # released (skipped inside), the window starts in it, or its operands do not fit the integer path
-            _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs,
-                    st, kout, kidx)  # fmt: skip
-            j += 1
+            done = _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st,
+                                 mt, qspread)  # fmt: skip
+            j += done
+            if done == nb:
+                continue
+        # released (skipped inside), the window starts in it, or its operands do not fit the integer path
+        _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
+                kout, kidx)  # fmt: skip
+        j += 1
 
 
 @njit(cache=True)
