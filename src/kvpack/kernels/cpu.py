@@ -76,6 +76,14 @@ INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
 # The integer path only where its int16 operands keep at least 11 bits (see _int_dot_limit).
 _MIN_INT_LIMIT = 2047
+# Per block, the integer path only where its operands keep the format's accuracy (see _int_dot_guards): the int16
+# query (keys) or weights (values) of the typical element within SPREAD_SLACK binary orders more than what the
+# codes' own precision asks of the block's largest, and fp8 blocks whose largest code is at least FP8_MIN_WORD
+# words of the table (out of 2047). Else the block takes the float path. Measured (tests/test_kernel_cpu_ranges.py):
+# keys keep the reference's accuracy with one order of slack; values not (k8v4 with one value of 1e4: 1.6x the
+# reference's error at slack 1, as accurate at 0).
+SPREAD_SLACK = {"key": 1, "value": 0}
+FP8_MIN_WORD = 64
 
 
 @lru_cache(maxsize=1)
@@ -365,6 +373,26 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     return lim if lim >= _MIN_INT_LIMIT else 0
 
 
+def _int_dot_guards(kind: int, lim: int, role: str) -> tuple[int, int]:
+    """``(P_SPREAD, P_CMIN)`` of an integer-path spec (``role``: key or value) whose int16 operands go up to ``lim``.
+
+    Rounding an operand scaled to ``lim`` at its largest moves the typical element ``x`` by ``max / (2 lim)``; the
+    format's own rounding moves its term by half a code unit (integer codes: ``x / 2``, against ``max / (2 lim)``
+    times a code of up to ``c`` units, centred) or by ``2**-(m+1)`` of it (fp8, ``m`` mantissa bits). The integer
+    path loses no more than the format while ``max / x <= lim / c`` (``lim * 2**-(m+1)`` for fp8): that many
+    binary orders, plus :data:`SPREAD_SLACK`, is the block's allowed spread (geometric, so one outlier counts fully).
+    fp8 codes must also reach ``FP8_MIN_WORD`` table words (``P_CMIN``: the smallest magnitude byte that does)."""
+    nbm = _nb()
+    if kind in (nbm.E4M3, nbm.E5M2):
+        mbits = 3 if kind == nbm.E4M3 else 2
+        spread = int(math.log2(lim)) - (mbits + 1)
+        table = nbm._lut_table(kind)
+        cmin = next(c for c in range(128) if table[c] >= FP8_MIN_WORD)
+        return spread + SPREAD_SLACK[role], cmin
+    centred = {nbm.S8: 128, nbm.U8: 128, nbm.U4: 8, nbm.U2: 2}[kind]
+    return int(math.log2(lim / centred)) + SPREAD_SLACK[role], 0
+
+
 def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
     """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape, and that
     the payload, scale and zero-point pools can be read in place (:func:`_block_stride`: their block strides)."""
@@ -405,6 +433,8 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
     if spec.has_zero and zero is not None:
         p[nbm.P_ZBST] = _block_stride(zero, f"{role} zero")
     p[nbm.P_DOT] = _int_dot_limit(spec, int(p[nbm.P_KIND]), kv, role)
+    if p[nbm.P_DOT]:
+        p[nbm.P_SPREAD], p[nbm.P_CMIN] = _int_dot_guards(int(p[nbm.P_KIND]), int(p[nbm.P_DOT]), role)
     if role == "key" and kv.k_outlier is not None:
         p[nbm.P_NOUT] = kv.k_outlier.shape[-1]
         p[nbm.P_IDX16] = int(kv.k_outlier_idx.element_size() == 2)

@@ -39,6 +39,9 @@ are centred in the loop (``code - off``), which leaves the per-block constants w
 two loops are LLVM IR text (numba has no vector types) linked into the caller; they also prefetch the
 block after next into L2 and (rows of 128 bytes or more: int8) the next block into L1, spread over their
 own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the scores (:func:`_outlier_scores`).
+A block whose operands would lose more than the format (the folded query or the value scales spread over too
+many binary orders: one huge key or value; fp8 codes far below the table's range: tiny data under a clamped
+scale) takes the float path instead (:func:`_keys_fit`, :func:`_values_fit`; bounds from ``cpu._int_dot_guards``).
 Where keys and values both take the integer path (key scales constant over a block, no outlier channels),
 the blocks go in runs (:func:`_attend_runs`) that share one softmax step (:func:`_attend_multi`): the max
 comes from the key loop, and the exponentials and the rescale run once per run instead of once per block.
@@ -83,11 +86,13 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
 (P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR,
- P_MULTI, P_BST, P_SBST, P_ZBST) = range(18)  # fmt: skip
-N_PARAMS = 18
+ P_MULTI, P_BST, P_SBST, P_ZBST, P_SPREAD, P_CMIN) = range(20)  # fmt: skip
+N_PARAMS = 20
 # P_BST, P_SBST, P_ZBST: elements between consecutive blocks of the payload, scale and zero-point pools (of the
 # flat array each is read as; for a tail, between sequences). A pool is contiguous within a block; its blocks
 # may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0.
+# P_SPREAD, P_CMIN: where a block's int16 operands or fp8 codes would lose more than the format, the block takes
+# the float path (see _spread_ok, _codes_reach; 0: no such check).
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -193,6 +198,19 @@ def _max_i32(typingctx, a, b):
     def codegen(context, builder, signature, args):
         x, y = args
         return builder.select(builder.icmp_signed(">", x, y), x, y)
+
+    return types.int32(a, b), codegen
+
+
+@intrinsic
+def _min_i32(typingctx, a, b):
+    """The smaller of two int32, as an int32 (see :func:`_max_i32`)."""
+    if a != types.int32 or b != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = args
+        return builder.select(builder.icmp_signed("<", x, y), x, y)
 
     return types.int32(a, b), codegen
 
@@ -1333,6 +1351,77 @@ def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc,
 
 
 @njit(inline="always", **_NOREF)
+def _spread_ok(x, n, lim_bits):
+    """Whether the magnitudes ``x[:n]`` (float32) lie within ``lim_bits`` binary orders of their largest on
+    average (a geometric mean from the exponent bits; zeros count as 24 orders down), i.e. whether int16
+    operands scaled to their largest keep enough bits for the typical element. One outlier does not move a
+    geometric mean, so it is what a single huge key or value scale is measured against."""
+    return _spread(x, n) <= lim_bits * n
+
+
+@njit(inline="always", **_NOREF)
+def _spread(x, n):
+    """``n`` times the mean binary orders of ``|x[:n]|`` below their largest (see :func:`_spread_ok`), int64."""
+    un = U64(n)
+    emax = np.int32(0)
+    for i in range(un):
+        emax = _max_i32(emax, np.int32(_abs_bits(x[i]) >> 23))
+    floor = np.int32(emax - 24)
+    tot = np.int64(0)  # the sum of the floored exponents: one max and one add per element (vectorizes)
+    for i in range(un):
+        tot += _max_i32(np.int32(_abs_bits(x[i]) >> 23), floor)
+    return np.int64(emax) * np.int64(n) - tot
+
+
+@njit(inline="always", **_NOREF)
+def _orders(x, n):
+    """Binary orders between the largest and the smallest magnitude of ``x[:n]`` (float32; from the exponent
+    bits, one pass of int32 max and min that vectorizes): no element lies further below the largest, so ``n``
+    times it bounds :func:`_spread` from above, a cheap test before it."""
+    hi = np.int32(0)
+    lo = np.int32(0x7FFFFFFF)
+    for i in range(U64(n)):
+        a = _abs_bits(x[i])
+        hi = _max_i32(hi, a)
+        lo = _min_i32(lo, a)
+    return np.int64(hi >> np.int32(23)) - np.int64(lo >> np.int32(23))
+
+
+@njit(inline="always", **_NOREF)
+def _codes_reach(p8, base, n, cmin):
+    """Whether some fp8 byte of ``p8[base:base + n]`` has a magnitude byte ``>= cmin``: codes that all stay
+    below it would round to a few words of the integer path's table (:func:`_lut_table`)."""
+    mb = np.int32(0)
+    for i in range(U64(n)):
+        mb = _max_i32(mb, np.int32(np.int32(p8[base + i]) & np.int32(0x7F)))
+    return mb >= cmin
+
+
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _keys_fit(kpay, kp, qf, g_n, base, n):
+    """Whether a block's keys keep the integer path's accuracy: the folded query ``qf`` ``[G4, D]`` of every head
+    within ``kp[P_SPREAD]`` orders of its largest element (:func:`_spread_ok`) and, for fp8, codes reaching
+    ``kp[P_CMIN]`` in the block's ``n`` payload bytes from ``base``."""
+    if kp[P_CMIN] > 0 and not _codes_reach(kpay[0], base, n, kp[P_CMIN]):
+        return False
+    if kp[P_SPREAD] > 0:
+        for g in range(g_n):
+            if not _spread_ok(qf[g], qf.shape[1], kp[P_SPREAD]):
+                return False
+    return True
+
+
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _values_fit(vpay, vp, sv, nsv, base, n):
+    """:func:`_keys_fit` for a block's values: its ``nsv`` scales ``sv`` (which set the int16 weights' unit) within
+    ``vp[P_SPREAD]`` orders of their largest, and fp8 codes reaching ``vp[P_CMIN]``."""
+    if vp[P_CMIN] > 0 and not _codes_reach(vpay[0], base, n, vp[P_CMIN]):
+        return False
+    lim = vp[P_SPREAD]
+    return lim <= 0 or nsv <= 1 or _orders(sv, nsv) <= lim or _spread_ok(sv, nsv, lim)
+
+
+@njit(inline="always", **_NOREF)
 def _near_rows(tables, b, j, jp, tail, p, h, bs, t):
     """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
     prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
@@ -1436,7 +1525,8 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
-def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt):
+def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
+                  qspread):  # fmt: skip
     """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window) with one softmax step, on the
     integer path with key scales constant over a block's tokens (see :func:`_multi_eligible`).
 
@@ -1449,7 +1539,12 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
     ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points
     per block; mpk ``[M * G4]`` each block's largest score, then its largest p; mwinv ``[M, G4]`` each block's weight unit), with
-    ``M = kp[P_MULTI] >= nb``."""
+    ``M = kp[P_MULTI] >= nb``.
+
+    Each block is checked before its key loop, from the scales just read for it (:func:`_multi_fits`): the
+    first that would lose the format's accuracy on the integer path ends the run (nothing of it computed but
+    the fold). Returns the number of blocks done (``< nb``: block ``j + that`` is left to the float path);
+    ``qspread``: ``D`` times the query's largest spread over its heads (:func:`_spread`)."""
     qp, m, lsum, acc, zacc, w, qf, kc, sk, zk, pk, zp, q16, qinv = (st[0], st[2], st[3], st[4], st[5], st[7], st[9],
         st[10], st[11], st[12], st[15], st[16], st[19], st[21])  # fmt: skip
     msc, mw, msv, mzv, mpk, mwinv = mt
@@ -1470,8 +1565,11 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     kfar, vfar = kp[P_FAR], vp[P_FAR]
     ubs = U64(bs)
     g4 = mwinv.shape[1]
-    # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included
-    for i in range(nb):
+    nsv = vts * vcs
+    guards = kp[P_SPREAD] > 0 or kp[P_CMIN] > 0 or vp[P_SPREAD] > 0 or vp[P_CMIN] > 0
+    # ---- keys -> base-2 logits msc[g, i * B + t], the block's constant kc included; the value scales msv[i]
+    nrun = nb
+    for i in range(nrun):
         jj = j + i
         idx = np.int64(tables[b, jj])
         nxt = np.int64(tables[b, jj + kfar]) if (kfar and jj + kfar < jp) else np.int64(0)
@@ -1480,6 +1578,12 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         _prefetch_block_scales(vscl, vzero, vp, vnx, vhs)
         _fold_keys(kscl, kzero, kp, idx, khs, _ZERO, kcbar, kunit, True, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
         kbase = _row0(kp, idx, h, bs)
+        svi = msv[i]
+        _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vts, vcs, pk, svi)  # after the fold: pk is scratch
+        if guards and not _multi_fits(kpay, kp, vpay, vp, qf, sk, svi, nsv, g_n, kbase, U64(bs) * krs,
+                                      _row0(vp, idx, h, bs), U64(bs) * vrs, qspread):  # fmt: skip
+            nb = i
+            break
         knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
         for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
             kpf = knext if g0 == 0 else U64(0)
@@ -1497,6 +1601,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     # ---- online softmax (base 2), once for the nb blocks. mpk[i * G4 + g]: block i's largest score (from the key
     # loop), then its largest weight p, which with its largest scale bounds its int16 weights (per block, as on
     # the one-block path: a bound shared by the run costs the blocks far from the attention's peak precision)
+    if nb == 0:
+        return nb
     n = U64(nb * bs)
     for g in range(g_n):
         row = msc[g]
@@ -1516,12 +1622,10 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
     # ---- values: scales and zero-point sums per block, then int16 weights per block (as _w16_values)
     vz = vp[P_ZKIND] != SC_NONE
-    nsv = vts * vcs
     flim = np.float32(vp[P_DOT])
     for i in range(nb):
         idx = np.int64(tables[b, j + i])
-        svi = msv[i]
-        _scales_t(vscl, vp[P_SKIND], _scale0(vp, idx, vhs, False), vts, vcs, pk, svi)
+        svi = msv[i]  # read with the block's keys
         mbits = np.int32(0)
         for e in range(U64(nsv)):
             mbits = _max_i32(mbits, _abs_bits(svi[e]))
@@ -1571,6 +1675,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
             vpf1 = _near_rows(tables, b, jj, jp, False, vp, h, bs, 0) if g0 == 0 else U64(0)
             _vdot_int(vp[P_KIND], vpay[0], vbase, vrs, bs // 2, mw, g0 * ngv * lw + i * bs, 2 * lw, acc, g0 * d, d,
                       vdp, mwinv[i], g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
+    return nb
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
@@ -1607,16 +1712,16 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     vrs = U64(vp[P_ROW])
     grouped = kskind != SC_NONE and kts > 1
     nout = kp[P_NOUT]
-    kint = kp[P_DOT] > 0  # integer dot products (see _kdot_ir); the launcher checks the layout allows it
-    vint = vp[P_DOT] > 0
+    # integer dot products (see _kdot_ir) where the launcher found the layout allows them, per block where its
+    # operands keep the format's accuracy (_keys_fit, _values_fit: else the block takes the float path)
+    kint_spec = kp[P_DOT] > 0
+    vint_spec = vp[P_DOT] > 0
     ngv = vcs if vcs > 1 else 1
     # the integer path subtracts the offset of offset-binary codes in the loop (signed, centred codes): the
     # per-block constants then leave it out; codes with a zero-point keep their midpoint (see _q16_keys)
-    kfoff = _ZERO if kint else koff
-    vzoff = _ZERO if vint else voff
     kcbar = _key_midpoint(kp)
-    kunit = _code_unit(kp[P_KIND]) if kint else np.float32(1.0)  # fp8 codes: table words -> values
-    vunit = _code_unit(vp[P_KIND]) if vint else np.float32(1.0)
+    kunit = _code_unit(kp[P_KIND])  # fp8 codes: table words -> values
+    vunit = _code_unit(vp[P_KIND])
     vspan = vdp // vcs if vcs > 1 else vdp
     kfar, vfar = kp[P_FAR], vp[P_FAR]  # blocks ahead to prefetch (0: none)
     for j in range(j0, j1):
@@ -1647,10 +1752,27 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         qsrc = qp
         for g in range(g_n):
             kc[g] = _ZERO
+        kint = False
         if kskind != SC_NONE and not grouped:
-            # scale constant over the block's tokens: fold it into the query once per block
-            _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv)
+            # scale constant over the block's tokens: fold it into the query once per block (the offset left out
+            # while the integer path may take the block, put back below if it does not)
+            kfoff = _ZERO if kint_spec else koff
+            _fold_keys(
+                kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, False, g_n, qp, qf, kc, sk, zk, pk, zp, q16, qinv
+            )
             qsrc = qf
+            if kint_spec:
+                kint = _keys_fit(kpay, kp, qf, g_n, kbase, U64(bs) * krs)
+                if kint:
+                    _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
+                    for g in range(qinv.shape[0]):
+                        qinv[g] *= kunit
+                elif koff != 0:
+                    for g in range(g_n):
+                        c0 = _ZERO
+                        for i in range(U64(d)):
+                            c0 += qf[g, i]
+                        kc[g] -= koff * c0
         elif grouped:
             # per-token scales (token or group granularity); groups are applied to the decoded tile
             _scales_t(kscl, kskind, _scale0(kp, idx, khs, False), bs, kcs, pk, sk)  # sk[grp * bs + t]
@@ -1712,9 +1834,12 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
             _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
         # ---- values: the per-token (group) scale folded into the weight, zero-points summed per group
         vbase = _row0(vp, idx, h, bs)
+        vint = False
         if vskind != SC_NONE:
             _scales_t(vscl, vskind, _scale0(vp, idx, vhs, False), vts, vcs, pk, sv)  # sv[grp * vts + t]
             _scales_t(vzero, vp[P_ZKIND], _scale0(vp, idx, vhs, True), vts, vcs, pk, zv)
+            vint = vint_spec and _values_fit(vpay, vp, sv, vts * vcs, vbase, U64(bs) * vrs)
+            vzoff = _ZERO if vint else voff
             for grp in range(vcs if (vp[P_ZKIND] != SC_NONE or vzoff != 0) else 0):
                 # zero-point / offset terms: sum_t p * (z - off * s), per group
                 gb = U64(grp * vts)
@@ -1768,26 +1893,58 @@ def _multi_eligible(kp, vp):
             and kp[P_TS] == 1 and vp[P_SKIND] != SC_NONE)  # fmt: skip
 
 
+@njit(inline="always", fastmath=FASTMATH, **_NOREF)
+def _multi_fits(kpay, kp, vpay, vp, qf, sk, sv, nsv, g_n, kbase, kn, vbase, vn, qspread):
+    """Whether a block of :func:`_attend_multi` keeps the integer path's accuracy for keys and values
+    (:func:`_keys_fit`, :func:`_values_fit`), from what it has read for the block: the key scales ``sk``
+    (``kp[P_CS]``, natural order), the folded query ``qf``, the value scales ``sv`` (``nsv``); ``kbase``,
+    ``kn``, ``vbase``, ``vn``: the payload bytes (fp8 code checks). ``qspread``: ``D`` times the largest spread of
+    the query's heads (:func:`_spread`). A product's exponent is the sum of its factors' (+1 at most), so the
+    folded query spreads by at most the query's spread plus the scales' plus one order: only where that bound
+    is over the limit is the folded query itself measured (``D`` steps per block instead of ``G * D``); before
+    the scales' spread, their orders from largest to smallest (:func:`_orders`) bound it in one pass."""
+    d = qf.shape[1]
+    if kp[P_CMIN] > 0 and not _codes_reach(kpay[0], kbase, kn, kp[P_CMIN]):
+        return False
+    lim = kp[P_SPREAD]
+    kcs = kp[P_CS]
+    # the bound first from the scales' orders from largest to smallest (one pass), then from their spread
+    if lim > 0 and qspread + (_orders(sk, kcs) + 1) * d > lim * d:
+        bound = qspread + (_spread(sk, kcs) * d) // kcs + d
+        if bound > lim * d:
+            for g in range(g_n):
+                if not _spread_ok(qf[g], d, lim):
+                    return False
+    return _values_fit(vpay, vp, sv, nsv, vbase, vn)
+
+
 @njit(fastmath=FASTMATH, **_NOREF)
 def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st,
                  kout, kidx, mt):  # fmt: skip
     """:func:`_attend` over sealed blocks ``[j0, j1)`` of row ``b`` for specs :func:`_multi_eligible` takes: runs of
     up to ``kp[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
     step each); a block the window starts inside goes through :func:`_attend` alone; released blocks are
-    skipped. A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
+    skipped; so is a block whose integer operands would lose accuracy (:func:`_multi_fits`: it ends the run and takes
+    the float path). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
     mlen = kp[P_MULTI]
+    qspread = np.int64(0)  # the query's largest spread over its heads (see _multi_fits)
+    for g in range(st[7].shape[0]):
+        qspread = max(qspread, _spread(st[0][g], st[0].shape[1]))
     j = j0
     while j < j1:
         nb = 0
         while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (j + nb) * bs >= lo:
             nb += 1
         if nb > 0:
-            _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt)
-            j += nb
-        else:  # released (skipped inside), or the window starts in it
-            _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs,
-                    st, kout, kidx)  # fmt: skip
-            j += 1
+            done = _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st,
+                                 mt, qspread)  # fmt: skip
+            j += done
+            if done == nb:
+                continue
+        # released (skipped inside), the window starts in it, or its operands do not fit the integer path
+        _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
+                kout, kidx)  # fmt: skip
+        j += 1
 
 
 @njit(cache=True)
