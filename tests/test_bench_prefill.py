@@ -32,7 +32,13 @@ def test_sdpa_baseline_is_causal_grouped_attention() -> None:
 
 def test_sweep_rows() -> None:
     rows = bench.run_sweep(bench.PrefillConfig(**TINY))
-    assert [r["provider"] for r in rows] == ["sdpa-fp32", "sdpa-bf16", "reference-int8", "kvpack-int8"]
+    assert [r["provider"] for r in rows] == [
+        "sdpa-fp32",
+        "sdpa-bf16",
+        "reference-int8",
+        "dequant-sdpa-int8",
+        "kvpack-int8",
+    ]
     for r in rows:
         assert (r["context"], r["chunk"], r["batch"]) == (150, 7, 2) and r["median_ms"] > 0
         assert r["vs_sdpa_fp32"] > 0
@@ -55,7 +61,7 @@ def test_cli_prints_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["provider"], r["chunk"]) for r in rows] == [
-        (p, c) for c in (1, 64) for p in ("sdpa-fp32", "sdpa-bf16", "kvpack-int4")
+        (p, c) for c in (1, 64) for p in ("sdpa-fp32", "sdpa-bf16", "dequant-sdpa-int4", "kvpack-int4")
     ]
     assert main(["bench", "prefill", "--chunk", "abc"]) == 2
     assert "--chunk" in capsys.readouterr().err
