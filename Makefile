@@ -52,11 +52,15 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# Two workers, whole files each (module fixtures and the numba/triton disk caches are per file and shared safely):
+# most tests keep one core busy, so two workers halve the wall time on a 2-core machine.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
+
 test-latest: install-latest
-	$(LATEST)/bin/pytest -q -p no:cacheprovider $(LATEST_TESTS)
+	$(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS)
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 	$(MAKE) test-latest
 
 bench: install
