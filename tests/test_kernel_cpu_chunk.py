@@ -218,3 +218,49 @@ def test_reference_backend_writes_into_out() -> None:
     out = torch.full_like(q, float("nan"))
     assert reference.chunk_attention(q, kv, None, None, out) is out
     assert torch.equal(out, reference.paged_attention_reference(q, kv))
+
+
+# The matrix product has three builds (the AMX tile unit, vdpbf16ps, float32 FMAs), chosen from numba's target
+# features when the kernel compiles; this process runs the host's. The others run in a child process whose
+# numba target drops the units (NUMBA_CPU_FEATURES), each against the reference on three presets.
+_VARIANT_CHILD = """
+import sys
+import torch
+from kvpack.formats import PRESETS
+from kvpack.kernels import cpu_chunk, reference
+from kvpack.testing import CPU_CHUNK_TOL, assert_close, random_paged_kv
+
+print(cpu_chunk._nb().variant())
+for name, t in (("int8", 65), ("int4", 7), ("fp8", 64)):
+    fmt = PRESETS[name].with_block_size(32)
+    kv, _, _ = random_paged_kv(fmt, [t + 3, t + 70], kv_heads=2, head_dim=128, seed=t)
+    q = torch.randn(2, t, 8, 128, generator=torch.Generator().manual_seed(t))
+    out = torch.full_like(q, float("nan"))
+    from kvpack import kernels as K
+    K.chunk_attention(q, kv, backend="cpu", out=out)
+    assert_close(out, reference.paged_attention_reference(q, kv), *CPU_CHUNK_TOL, msg=name)
+"""
+
+
+def _without(feats: set[str], *units: str) -> str:
+    return ",".join(sorted(f"-{f[1:]}" if f[1:] in units else f for f in feats if f))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["bf16", "fma"])
+def test_every_build_of_the_product_matches_reference(variant: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    nbm = cpu_chunk._nb()
+    feats = nbm._features()
+    if variant == nbm.variant():
+        pytest.skip(f"{variant} is this process's build (covered by every other test here)")
+    if variant == "bf16" and "+avx512bf16" not in feats:
+        pytest.skip("this CPU has no vdpbf16ps")
+    drop = ("amx-tile", "amx-bf16", "amx-int8") + (("avx512bf16",) if variant == "fma" else ())
+    env = dict(os.environ, NUMBA_CPU_FEATURES=_without(feats, *drop))
+    res = subprocess.run([sys.executable, "-c", _VARIANT_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[0] == variant

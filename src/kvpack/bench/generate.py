@@ -12,6 +12,10 @@ The context is prefilled once (batch 1, SDPA, DynamicCache); every provider's ca
 same keys and values, repeated over the batch, so prefill time never pollutes decode numbers. Each provider
 then decodes ``--new-tokens`` greedy steps (after one untimed warm-up step): tokens/s counts every row.
 Cache bytes are compared with :meth:`kvpack.formats.KVFormat.bytes_for_tokens` (what ``kvpack size`` uses).
+
+Time-to-first-token (``--ttft-rounds``): the context as one prompt from an empty cache, batch 1, DynamicCache
+against each kvpack format (whose prompt attends its own quantized keys through the fused chunk kernel),
+alternated round by round.
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip", default="", help="providers to leave out, comma list: dynamic, quantized, kvpack (e.g. quantized)"
+    )
+    parser.add_argument(
+        "--ttft-rounds",
+        type=int,
+        default=3,
+        help="time-to-first-token of the context as one prompt (batch 1), DynamicCache and each kvpack format "
+        "alternated for this many rounds; 0 skips it (default 3)",
     )
     parser.add_argument("--quick", action="store_true", help="small run: context 512, batch 1,2, 16 new tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -153,6 +164,51 @@ def _decode(model: Any, cache: Any, first: torch.Tensor, batch: int, steps: int)
     return sum(per_step), per_step
 
 
+@torch.inference_mode()
+def _first_token(model: Any, ids: torch.Tensor, fmt: Any, backend: str) -> float:
+    """Seconds from an empty cache to the first token of prompt ``ids`` ``[1, n]``: DynamicCache with SDPA
+    (``fmt`` None) or a :class:`KVPackCache` of ``fmt`` (the prompt attends its own quantized keys through the
+    fused chunk kernel), the cache built inside the timed region as ``generate`` builds it."""
+    from transformers import DynamicCache
+
+    from kvpack.integrations.transformers import KVPackCache, cache_kwarg
+
+    t0 = time.perf_counter()
+    if fmt is None:
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+    else:
+        model.set_attn_implementation("kvpack")
+        cache = KVPackCache(model.config, fmt, max_tokens=ids.shape[1] + 1, batch_size=1, backend=backend)
+    out = model(input_ids=ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
+    out.logits[:, -1].argmax(-1)
+    return time.perf_counter() - t0
+
+
+def _ttft_rows(model: Any, ids: torch.Tensor, formats: list[Any], backend: str, rounds: int) -> list[dict]:
+    """Time-to-first-token per provider, the providers alternated ``rounds`` times after one untimed warm-up
+    each (kernel compilation, allocator); medians, with the ratio to DynamicCache's."""
+    providers = [("dynamic", None)] + [(f"kvpack-{f.name}", f) for f in formats]
+    times: dict[str, list[float]] = {name: [] for name, _ in providers}
+    for r in range(rounds + 1):
+        for name, fmt in providers:
+            dt = _first_token(model, ids, fmt, backend)
+            if r:
+                times[name].append(dt)
+    model.set_attn_implementation("sdpa")
+    base = statistics.median(times["dynamic"])
+    return [
+        {
+            "provider": name,
+            "prompt_tokens": int(ids.shape[1]),
+            "ttft_ms": 1000 * statistics.median(t),
+            "vs_dynamic": statistics.median(t) / base,
+            "rounds": rounds,
+        }
+        for name, t in times.items()
+    ]
+
+
 def _row(provider: str, batch: int, args: Any, total: float, per_step: list[float], nbytes: int, **extra: Any) -> dict:
     return {
         "provider": provider,
@@ -235,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
             )
             del cache
     model.set_attn_implementation("sdpa")
+    if args.ttft_rounds < 0:
+        raise ConfigError(f"--ttft-rounds must be 0 or more, got {args.ttft_rounds}")
+    ttft = _ttft_rows(model, ids, formats, args.backend, args.ttft_rounds) if args.ttft_rounds else []
     result = {
         "model": args.model or "embedded SmolLM2-135M-Instruct",
         "dtype": str(model.dtype).replace("torch.", ""),
@@ -243,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         "quantized_backend": qbackend,
         "quantized_unavailable": qwhy,
         "rows": rows,
-        "checks": _checks(rows),
+        "ttft": ttft,
+        "checks": _checks(rows) + _ttft_checks(ttft),
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -282,6 +342,20 @@ def _checks(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _ttft_checks(ttft: list[dict]) -> list[dict]:
+    """Time-to-first-token of each kvpack format within 1.1x of DynamicCache's."""
+    return [
+        {
+            "batch": 1,
+            "check": f"{r['provider']} time-to-first-token <= 1.1x DynamicCache",
+            "value": r["vs_dynamic"],
+            "ok": r["vs_dynamic"] <= 1.1,
+        }
+        for r in ttft
+        if r["provider"] != "dynamic"
+    ]
+
+
 def _print_table(result: dict) -> None:
     print(
         f"kvpack bench generate: {result['model']} ({result['dtype']}, {result['threads']} threads), "
@@ -300,6 +374,10 @@ def _print_table(result: dict) -> None:
         )
         if r.get("backends") and set(r["backends"]) == {"reference"}:
             print(f"{'':<18}  (decode ran on the slow reference path: no fused kernel for this case)")
+    if result["ttft"]:
+        print(f"time to first token, {result['ttft'][0]['prompt_tokens']}-token prompt, batch 1:")
+        for r in result["ttft"]:
+            print(f"  {r['provider']:<18}{r['ttft_ms']:>10.1f} ms  {r['vs_dynamic']:.2f}x DynamicCache")
     for c in result["checks"]:
         mark = "ok  " if c["ok"] else "MISS"
         print(f"[{mark}] batch {c['batch']}: {c['check']}: {c['value']:.3f}")

@@ -5,8 +5,8 @@ The compiled loops live in :mod:`kvpack.kernels.cpu_chunk_numba` (imported on fi
 never pulls in numba). The view is checked and turned into numba arguments by the decode backend's
 preparation (:mod:`kvpack.kernels.cpu`: the same checks, spec vectors, block-strided pools read in place,
 outlier pools), so both backends accept exactly the same views. Every format the decode backend takes is
-covered, on one float path (bfloat16 products with float32 sums, see the numba module); there is no integer
-path here.
+covered, on one float path (bfloat16 products with float32 sums, on the AMX tile unit where the CPU has one,
+see the numba module); there is no integer path here.
 
 Threads: numba's (``prange`` over sequence x kv head x row tile), as many as ``torch.get_num_threads()``.
 """
@@ -39,10 +39,12 @@ SUPPORTS_SINK = True
 
 _LOG2E = 1.4426950408889634
 # Query rows (t * G + g) per work item: each sealed block is dequantized once per item, so more rows share
-# one dequantization; fewer leave more items for the threads. A multiple of the register tile (6 rows).
-ROWS_PER_TILE = 384
+# one dequantization (at 384 rows the dequantization was a third of the time); fewer leave more items for the
+# threads. Rows are padded to the product's row tile (6, or 32 on the AMX unit).
+ROWS_PER_TILE = 1024
 # Positions per softmax step (whole blocks, at least one): one score tile [rows, step], one rescale per step.
-STEP_TOKENS = 128
+# 1024 x 256 keeps one item's scratch at ~3.3 MB per thread.
+STEP_TOKENS = 256
 
 
 @lru_cache(maxsize=1)
@@ -55,7 +57,15 @@ def _nb() -> Any:
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
     """Why the CPU chunk kernel cannot run this case (empty list: it can): those of the decode backend
     (:func:`kvpack.kernels.cpu.reasons_unsupported`: numba, devices, dtypes, packed int4/int2 layouts)."""
-    return cpu.reasons_unsupported(q, kv, window)
+    reasons = cpu.reasons_unsupported(q, kv, window)
+    if not reasons:
+        nbm = _nb()
+        if nbm.target_has_amx() and not nbm.amx_permitted():
+            reasons.append(
+                "the CPU has AMX but the OS refused this process the tile registers (Linux 5.16+ grants them); "
+                "set NUMBA_CPU_FEATURES without +amx-tile to run the chunk kernel on AVX-512"
+            )
+    return reasons
 
 
 def spec_vector(p: np.ndarray) -> np.ndarray:
@@ -87,7 +97,8 @@ def scratch_bytes(kv: PagedKV, t: int, group: int, threads: int | None = None) -
     nbm = _nb()
     threads = threads or max(1, torch.get_num_threads())
     rows = min(ROWS_PER_TILE, t * group)
-    rp = -(-rows // nbm.MR) * nbm.MR
+    mr = nbm.AMX_MR if nbm.variant() == "amx" else nbm.MR
+    rp = -(-rows // mr) * mr
     dp = -(-kv.head_dim // nbm.NL) * nbm.NL
     nkp = -(-(_step_blocks(kv.block_size) * kv.block_size) // nbm.NL) * nbm.NL
     words = rp * 3 * dp // 2 + rp * nkp // 2 + 3 * dp // 2 * nkp + nkp // 2 * dp  # uint32 tiles

@@ -10,8 +10,10 @@ causal bound, window and left padding, and updates each row's online softmax (ba
 scores times ``sm_scale * log2(e)``). Scratch is O(rows x step + step x D) per thread; the history is
 never materialized.
 
-The two products run on bfloat16 operands with float32 sums (``vdpbf16ps`` on CPUs with AVX-512 BF16,
-the same arithmetic in plain float32 FMAs elsewhere; :func:`_gemm_ir`). Scores keep float32 accuracy: the
+The two products run on bfloat16 operands with float32 sums: on the AMX tile unit (``tdpbf16ps``, 32 rows per
+call, ``B`` packed in 16-column panels; :func:`_gemm_amx_ir`) where the CPU has it and Linux grants the process
+the tile registers, else ``vdpbf16ps`` on CPUs with AVX-512 BF16, else the same arithmetic in plain float32 FMAs
+(:func:`_gemm_ir`). The build is chosen from numba's target features when the kernel compiles (:func:`variant`). Scores keep float32 accuracy: the
 keys and the query are each split into a bfloat16 high part and the bfloat16 rounding of the rest, and the
 score is ``q_hi.k_hi + q_hi.k_lo + q_lo.k_hi`` (relative error ~2**-16, one reduction three ``D`` long). The
 attention weights and the values are rounded to bfloat16 once (relative 2**-9 per element; the row sums
@@ -24,6 +26,10 @@ cached function only, so compiled helpers imported from another file could be se
 """
 
 from __future__ import annotations
+
+import ctypes
+import platform
+import sys
 
 import numpy as np
 from llvmlite import ir
@@ -44,6 +50,8 @@ N_SPEC = 15
 
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
 MR = 6  # rows per call of the matrix product (one register tile: MR x 64 float32 sums)
+AMX_RT, AMX_CT = 2, 2  # AMX: row tiles x column tiles of C held in tile registers (with one A, B per tile: 8)
+AMX_MR = 16 * AMX_RT  # rows per call on the AMX tile unit
 NL = 64  # lanes per call (4 vectors of 16)
 U64 = np.uint64
 _ZERO = np.float32(0.0)
@@ -126,29 +134,135 @@ def _gemm_ir(name: str, bf16: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gemm_amx_ir(name: str) -> str:
+    """IR of the same product on the AMX tile unit (``tdpbf16ps``) for ``AMX_MR`` rows, with ``B`` packed in
+    panels of 16 columns (:func:`_b_word`: each 16 x 16-word tile one contiguous KiB; ``ldb`` is the panels'
+    row count and the column offset of ``b`` is ``column * ldb``): the ``NL`` columns in
+    passes of ``16 * AMX_CT``, each pass keeping ``AMX_RT x AMX_CT`` float32 tiles of ``C`` (16 x 16) in tile
+    registers while ``k2`` runs in steps of 16 words (one ``A`` tile per row tile and one ``B`` tile per column
+    tile each step: every loaded tile feeds several products). ``k2`` must be a multiple of 16. The tile
+    configuration is LLVM's (the ``.internal`` intrinsics carry the shapes)."""
+    rt, ct = AMX_RT, AMX_CT
+    tiles = [(i, j) for i in range(rt) for j in range(ct)]
+    lines = [f"define void @{name}(ptr %c, ptr %a, ptr %b, i64 %lda, i64 %ldb, i64 %ldc, i64 %k2, i64 %init) {{",
+             "entry:", "  %sa = shl i64 %lda, 2", "  %sc = shl i64 %ldc, 2",
+             "  %fresh = icmp ne i64 %init, 0"]  # fmt: skip
+    for i in range(rt):
+        lines += [f"  %ao{i} = mul i64 %lda, {16 * i}", f"  %arow{i} = getelementptr i32, ptr %a, i64 %ao{i}",
+                  f"  %co{i} = mul i64 %ldc, {16 * i}", f"  %crow{i} = getelementptr float, ptr %c, i64 %co{i}"]  # fmt: skip
+    for ps in range(NL // (16 * ct)):
+        col = [16 * (ct * ps + j) for j in range(ct)]
+        lines += [f"  br i1 %fresh, label %zero{ps}, label %load{ps}", f"zero{ps}:"]
+        lines += [f"  %z{ps}_{i}_{j} = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)" for i, j in tiles]
+        lines += [f"  br label %start{ps}", f"load{ps}:"]
+        for i, j in tiles:
+            lines += [f"  %cp{ps}_{i}_{j} = getelementptr float, ptr %crow{i}, i64 {col[j]}",
+                      f"  %l{ps}_{i}_{j} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, "
+                      f"ptr %cp{ps}_{i}_{j}, i64 %sc)"]  # fmt: skip
+        lines += [f"  br label %start{ps}", f"start{ps}:"]
+        lines += [f"  %c{ps}_{i}_{j} = phi x86_amx [%z{ps}_{i}_{j}, %zero{ps}], [%l{ps}_{i}_{j}, %load{ps}]"
+                  for i, j in tiles]  # fmt: skip
+        lines += [f"  br label %loop{ps}", f"loop{ps}:", f"  %kk{ps} = phi i64 [0, %start{ps}], [%kn{ps}, %loop{ps}]"]
+        lines += [f"  %acc{ps}_{i}_{j} = phi x86_amx [%c{ps}_{i}_{j}, %start{ps}], [%n{ps}_{i}_{j}, %loop{ps}]"
+                  for i, j in tiles]  # fmt: skip
+        for i in range(rt):
+            lines += [f"  %ap{ps}_{i} = getelementptr i32, ptr %arow{i}, i64 %kk{ps}",
+                      f"  %ta{ps}_{i} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %ap{ps}_{i}, "
+                      "i64 %sa)"]  # fmt: skip
+        lines += [f"  %bo{ps} = shl i64 %kk{ps}, 4", f"  %bp{ps} = getelementptr i32, ptr %b, i64 %bo{ps}"]
+        for j in range(ct):
+            lines += [f"  %bc{ps}_{j} = mul i64 %ldb, {col[j]}",
+                      f"  %bq{ps}_{j} = getelementptr i32, ptr %bp{ps}, i64 %bc{ps}_{j}",
+                      f"  %tb{ps}_{j} = call x86_amx @llvm.x86.tileloadd64.internal(i16 16, i16 64, ptr %bq{ps}_{j}, "
+                      "i64 64)"]  # fmt: skip
+        for i, j in tiles:
+            lines.append(f"  %n{ps}_{i}_{j} = call x86_amx @llvm.x86.tdpbf16ps.internal(i16 16, i16 64, i16 64, "
+                         f"x86_amx %acc{ps}_{i}_{j}, x86_amx %ta{ps}_{i}, x86_amx %tb{ps}_{j})")  # fmt: skip
+        lines += [f"  %kn{ps} = add i64 %kk{ps}, 16", f"  %more{ps} = icmp ult i64 %kn{ps}, %k2",
+                  f"  br i1 %more{ps}, label %loop{ps}, label %exit{ps}", f"exit{ps}:"]  # fmt: skip
+        for i, j in tiles:
+            lines += [f"  %sp{ps}_{i}_{j} = getelementptr float, ptr %crow{i}, i64 {col[j]}",
+                      f"  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %sp{ps}_{i}_{j}, i64 %sc, "
+                      f"x86_amx %n{ps}_{i}_{j})"]  # fmt: skip
+    lines += ["  ret void", "}",
+              "declare x86_amx @llvm.x86.tilezero.internal(i16, i16)",
+              "declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)",
+              "declare x86_amx @llvm.x86.tdpbf16ps.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)",
+              "declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def _splat(ty: str, val: int) -> str:
     return "<" + ", ".join([f"{ty} {val}"] * 16) + ">"
 
 
 _LIBS: dict = {}
+_AMX: list[bool] = []
+
+
+def amx_permitted() -> bool:
+    """Whether this process may use the AMX tile registers. Linux hands them out per process on request
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, kernel 5.16+); asked once, the answer kept."""
+    if not _AMX:
+        ok = False
+        if sys.platform == "linux" and platform.machine() == "x86_64":
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                ok = libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+            except (OSError, AttributeError):
+                ok = False
+        _AMX.append(ok)
+    return _AMX[0]
+
+
+def _features(context=None) -> set[str]:
+    if context is None:
+        from numba.core.registry import cpu_target
+
+        context = cpu_target.target_context
+    return set(getattr(context.codegen(), "_tm_features", "").split(","))
+
+
+def target_has_amx(context=None) -> bool:
+    """Whether numba's CPU target (``context``'s, default numba's own) has the AMX tile and bfloat16 units."""
+    return {"+amx-tile", "+amx-bf16"} <= _features(context)
+
+
+def variant(context=None) -> str:
+    """Which product the target runs (``context``'s, default numba's own): ``amx`` (the tile unit, where the
+    process may use it), ``bf16`` (``vdpbf16ps``) or ``fma`` (the same arithmetic in float32 FMAs). Numba's
+    target is the host unless ``NUMBA_CPU_FEATURES`` says otherwise."""
+    if target_has_amx(context) and amx_permitted():
+        return "amx"
+    return "bf16" if "+avx512bf16" in _features(context) else "fma"
 
 
 def _gemm_function(context) -> str:
     """Name of the generated product for the target of ``context`` (its library linked into the caller)."""
     from llvmlite import binding as llvm
 
-    bf16 = "+avx512bf16" in getattr(context.codegen(), "_tm_features", "").split(",")
-    name = f"kvpack_chunk_gemm_{'bf16' if bf16 else 'fma'}"
+    kind = variant(context)
+    name = f"kvpack_chunk_gemm_{kind}"
     cg = context.codegen()
     lib = _LIBS.get((id(cg), name))
     if lib is None:
         lib = cg.create_library(name)
-        mod = llvm.parse_assembly(_gemm_ir(name, bf16))
+        mod = llvm.parse_assembly(_gemm_amx_ir(name) if kind == "amx" else _gemm_ir(name, kind == "bf16"))
         mod.triple = llvm.get_process_triple()
         lib.add_llvm_module(mod)
         _LIBS[(id(cg), name)] = lib
     context.add_linking_libs([lib])
     return name
+
+
+@intrinsic
+def _gemm_rows(typingctx):
+    """Rows of ``A`` and ``C`` one call of :func:`_gemm` covers on this target: ``AMX_MR`` or ``MR``."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(64), AMX_MR if variant(context) == "amx" else MR)
+
+    return types.int64(), codegen
 
 
 @intrinsic
@@ -172,6 +286,8 @@ def _gemm(typingctx, c, co, a, ao, b, bo, lda, ldb, ldc, k2, init):
 
     return sig, codegen
 
+
+amx_permitted()  # before any compiled product runs: code loaded from the disk cache skips codegen
 
 # ----------------------------------------------------------------------------------------------------
 # Scalars
@@ -257,7 +373,7 @@ def _bf16_bits(x):
     return np.uint32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(inline="always")
 def _exp2(x):
     """2**x for float32 ``x <= 0`` (exactly 0 below 2**-126, so -inf gives 0)."""
     xc = max(x, _LOG2_MIN)
@@ -385,16 +501,24 @@ def _from_order_key(i):
     return _as_f32(np.int32(i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
+@njit(inline="always")
+def _b_word(row, col, rows, cols, packed):
+    """Offset of word ``[row, col]`` of a ``B`` operand ``[rows, cols]``: row-major, or (``packed``, the AMX
+    build) in panels of 16 columns, each panel ``[rows, 16]`` contiguous."""
+    if packed:
+        return ((col >> U64(4)) * U64(rows) + row) * U64(16) + (col & U64(15))
+    return row * U64(cols) + col
+
+
 @njit(fastmath=FASTMATH, cache=True)
-def _split_keys(kf, nkp, dp, kx):
+def _split_keys(kf, nkp, dp, kx, packed):
     """Keys ``kf`` ``[nkp, dp]`` float32 as the product's ``B`` words ``kx`` ``[3 * dp / 2, nkp]``: the pair of
-    channels ``2c, 2c + 1`` of position ``i`` at word ``c * nkp + i`` of each part, parts ``hi | lo | hi``."""
+    channels ``2c, 2c + 1`` of position ``i`` at word ``[c, i]`` of each part, parts ``hi | lo | hi``
+    (:func:`_b_word`)."""
     dh = dp // 2
     un = U64(nkp)
+    rows = U64(3 * dh)
     for c in range(U64(dh)):
-        o0 = c * un
-        o1 = (U64(dh) + c) * un
-        o2 = (U64(2 * dh) + c) * un
         for i in range(un):
             x0 = kf[i, U64(2) * c]
             x1 = kf[i, U64(2) * c + U64(1)]
@@ -403,20 +527,22 @@ def _split_keys(kf, nkp, dp, kx):
             l0 = _bf16_bits(x0 - _as_f32(h0 << np.uint32(16)))
             l1 = _bf16_bits(x1 - _as_f32(h1 << np.uint32(16)))
             w = h0 | (h1 << np.uint32(16))
-            kx[o0 + i] = w
-            kx[o1 + i] = l0 | (l1 << np.uint32(16))
-            kx[o2 + i] = w
+            kx[_b_word(c, i, rows, un, packed)] = w
+            kx[_b_word(U64(dh) + c, i, rows, un, packed)] = l0 | (l1 << np.uint32(16))
+            kx[_b_word(U64(2 * dh) + c, i, rows, un, packed)] = w
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _pair_values(vf, nkp, dp, vx):
+def _pair_values(vf, nkp, dp, vx, packed):
     """Values ``vf`` ``[nkp, dp]`` float32 as the product's ``B`` words ``vx`` ``[nkp / 2, dp]``: positions
-    ``2i, 2i + 1`` of channel ``c`` at word ``i * dp + c``."""
+    ``2i, 2i + 1`` of channel ``c`` at word ``[i, c]`` (:func:`_b_word`)."""
     ud = U64(dp)
-    for i in range(U64(nkp // 2)):
-        o = i * ud
+    rows = U64(nkp // 2)
+    for i in range(rows):
         for c in range(ud):
-            vx[o + c] = _bf16_bits(vf[U64(2) * i, c]) | (_bf16_bits(vf[U64(2) * i + U64(1), c]) << np.uint32(16))
+            vx[_b_word(i, c, rows, ud, packed)] = _bf16_bits(vf[U64(2) * i, c]) | (
+                _bf16_bits(vf[U64(2) * i + U64(1), c]) << np.uint32(16)
+            )
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -429,13 +555,10 @@ def _softmax_step(sc, r, a, e, nkp, scale, mrow, lrow, pw16, acc, dp):
         for i in range(un):
             pw16[base + i] = np.uint16(0)
         return
-    for i in range(un):
-        sc[r, i] *= scale
-    if a > 0 or e < nkp:
-        for i in range(U64(0), U64(a)):
-            sc[r, i] = _NEG_INF
-        for i in range(U64(e), un):
-            sc[r, i] = _NEG_INF
+    ua, ue = U64(a), U64(e)
+    for i in range(un):  # one select per lane: vectorizes
+        x = sc[r, i] * scale
+        sc[r, i] = x if i >= ua and i < ue else _NEG_INF
     mk = _order_key(mrow[r])
     for i in range(un):
         mk = max(mk, _order_key(sc[r, i]))
@@ -465,7 +588,9 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
     nsealed = n // bs
     sink = min(sinkk.shape[2], nsealed * bs) if sinkk.shape[0] > 0 else 0
     nr = r1 - r0
-    rp = -(-nr // MR) * MR  # rows padded to whole register tiles
+    mr = _gemm_rows()
+    packed = mr > MR  # the AMX build reads B in 16-column panels
+    rp = -(-nr // mr) * mr  # rows padded to whole register tiles
     dp = -(-d // NL) * NL  # head_dim padded to whole lane groups (zeros)
     k2q = 3 * dp // 2  # words of the score reduction: q_hi.k_hi + q_hi.k_lo + q_lo.k_hi
     k2u = k2q if q_lo else dp  # bfloat16 queries have no low part: q_hi.k_hi + q_hi.k_lo
@@ -527,18 +652,25 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
                 for c in range(dp):
                     kf[i, c] = _ZERO
                     vf[i, c] = _ZERO
-            _split_keys(kf, nkp, dp, kx)
-            _pair_values(vf, nkp, dp, vx)
+            _split_keys(kf, nkp, dp, kx, packed)
+            _pair_values(vf, nkp, dp, vx, packed)
             for n0 in range(0, nkp, NL):  # scores of all rows: [rp, nkp]
-                for m0 in range(0, rp, MR):
-                    _gemm(sflat, m0 * nkp + n0, qx, m0 * k2q, kx, n0, k2q, nkp, nkp, k2u, 1)
+                for m0 in range(0, rp, mr):
+                    if packed:
+                        _gemm(sflat, m0 * nkp + n0, qx, m0 * k2q, kx, n0 * k2q, k2q, k2q, nkp, k2u, 1)
+                    else:
+                        _gemm(sflat, m0 * nkp + n0, qx, m0 * k2q, kx, n0, k2q, nkp, nkp, k2u, 1)
             p0 = ja * bs
             for r in range(nr):
                 _softmax_step(sc, r, max(lo[r] - p0, 0), min(hi[r] - p0 + 1, nvalid), nkp, scale, mrow, lrow, pw16,
                               acc, dp)  # fmt: skip
-            for m0 in range(0, rp, MR):
+            for m0 in range(0, rp, mr):
                 for c0 in range(0, dp, NL):
-                    _gemm(aflat, m0 * dp + c0, pw, m0 * (nkp // 2), vx, c0, nkp // 2, dp, dp, nkp // 2, 0)
+                    if packed:
+                        _gemm(aflat, m0 * dp + c0, pw, m0 * (nkp // 2), vx, c0 * (nkp // 2), nkp // 2, nkp // 2, dp,
+                              nkp // 2, 0)  # fmt: skip
+                    else:
+                        _gemm(aflat, m0 * dp + c0, pw, m0 * (nkp // 2), vx, c0, nkp // 2, dp, dp, nkp // 2, 0)
             ja = jb
     for r in range(nr):
         t = (r0 + r) // group
