@@ -401,3 +401,16 @@ def test_per_channel_keys_beat_per_token_keys(channel: str, token: str, margin_d
     x = _blocks(seed=1)
     snr = {s: snr_db(x, dequantize(quantize(x, parse_format(f"kv={s}").key))) for s in (channel, token)}
     assert snr[channel] >= snr[token] + margin_db, snr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_non_finite_element(dtype: torch.dtype, bad: float) -> None:
+    from kvpack.quant import all_finite
+
+    x = torch.randn(2, 3, 17, 8).to(dtype)
+    assert all_finite(x)
+    x[1, 2, 16, 7] = bad
+    assert not all_finite(x)
+    assert all_finite(torch.full((4,), torch.finfo(dtype).max, dtype=dtype))  # the largest finite value is finite
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))

@@ -22,6 +22,7 @@ inf or NaN. Positive scales are kept normal (never subnormal, never zero).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from kvpack.formats import DType, QuantSpec, ScaleDType
 __all__ = [
     "TORCH_FP8",
     "QuantizedTensor",
+    "all_finite",
     "choose_qparams",
     "decode_scale",
     "dequantize",
@@ -179,6 +181,17 @@ def _bcast(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(*lead, hs, 1, ts, 1, cs, 1)
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` (any shape, any dtype) is finite. One reduction, ``abs().amax()`` (a NaN
+    propagates, an inf is the largest): on the CPU several times faster than ``torch.isfinite(x).all()``,
+    which the append and seal paths would otherwise pay on every call."""
+    if x.numel() == 0 or not x.is_floating_point():
+        return True
+    if x.element_size() == 1:  # fp8: no abs kernel
+        x = x.float()
+    return bool(x.abs().amax() < math.inf)
+
+
 def find_non_finite(x: torch.Tensor) -> list[dict[str, int]]:
     """Locations of the first few NaN/inf elements of ``[..., H, T, D]`` (head, position, channel)."""
     bad = (~torch.isfinite(x)).nonzero()
@@ -276,12 +289,12 @@ def quantize(
     _check_shape(x, spec)
     d = x.shape[-1]
     if spec.is_passthrough:
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             _raise_non_finite(x)
         return QuantizedTensor(x.to(_TORCH_FLOAT[spec.dtype]).contiguous(), None, None, spec, d)
     if scale is None:
         scale, zero = choose_qparams(x, spec)
-    elif not torch.isfinite(x).all():
+    elif not all_finite(x):
         _raise_non_finite(x)
     shape = tuple(scale.shape[-3:])
     xf = _grouped(x.float(), shape)  # a view: scales broadcast without being expanded in memory

@@ -25,7 +25,7 @@ import torch
 from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
 from kvpack.outliers import check_channels, outlier_mask, outlier_residual, quantize_kept, seal_time_channels
-from kvpack.quant import QuantizedTensor, _raise_non_finite, quantize
+from kvpack.quant import QuantizedTensor, _raise_non_finite, all_finite, quantize
 from kvpack.rotation import rotate
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def seal_outliers(
 
     Returns ``(qt, clipped, (residual [n, H, B, k] float16, idx [n, H, k]))``.
     """
-    if not torch.isfinite(blocks).all():  # before the channel choice: a NaN must be reported, not filled
+    if not all_finite(blocks):  # before the channel choice: a NaN must be reported, not filled
         _raise_non_finite(blocks)
     if channels is None:
         channels = seal_time_channels(blocks, spec.outliers)
@@ -264,7 +264,7 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
     vc = v if v.dtype == cache.tail_dtype else v.to(cache.tail_dtype)
     # the tail is read in full precision by every kernel: refuse NaN/inf (or an overflow of the tail dtype)
     # here, before anything is stored, exactly as sealing would
-    if not bool(torch.isfinite(kc).all() & torch.isfinite(vc).all()):
+    if not (all_finite(kc) and all_finite(vc)):
         _raise_non_finite_append(cache, layer, rows, n_old, (k_in, kc), (v, vc))
     r = n_old % b
     s = (r + t_new) // b

@@ -49,6 +49,7 @@ STEP_TOKENS = 256
 
 @lru_cache(maxsize=1)
 def _nb() -> Any:
+    cpu.passive_pool()
     from kvpack.kernels import cpu_chunk_numba
 
     return cpu_chunk_numba

@@ -25,7 +25,7 @@ from kvpack.integrations.vllm.tails import StepPlan
 from kvpack.kernels import decode_attention, fused_chunk_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
-from kvpack.quant import _raise_non_finite, quantize
+from kvpack.quant import _raise_non_finite, all_finite, quantize
 from kvpack.rotation import key_rotation, rotate
 
 __all__ = ["PagedLayer", "StepTensors"]
@@ -110,7 +110,7 @@ class PagedLayer:
         quantized = []
         for spec, blocks in ((self.format.key, blocks_k), (self.format.value, blocks_v)):
             x = torch.stack(blocks)  # [K, H, B, D]
-            if not torch.isfinite(x).all():
+            if not all_finite(x):
                 _raise_non_finite(x)  # NonFiniteError naming block, head and position; nothing written
             quantized.append(quantize(x, spec))
         for prefix, qt in zip(("k", "v"), quantized):
