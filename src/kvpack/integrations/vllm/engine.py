@@ -15,7 +15,7 @@ A job (all keys optional but ``model`` and ``prompts``)::
 
 ``warmup`` runs one short request first, outside the counts and the timing (kernel compilation, first calls).
 
-The result: ``outputs`` (generated token ids per prompt), ``cached_tokens`` (prompt tokens served from the prefix
+The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized), ``cached_tokens`` (prompt tokens served from the prefix
 cache, per prompt), ``num_blocks``, ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``,
 ``generated_tokens``, ``tokens_per_s``, ``tails_left`` (kvpack tails still held once drained: after the step that
 tells the workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next
@@ -130,6 +130,7 @@ def _main() -> None:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
         "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "num_blocks": num_blocks,
         "kv_capacity_tokens": num_blocks * kw["block_size"],
