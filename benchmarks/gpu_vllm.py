@@ -13,7 +13,8 @@ requests sharing a prefix, all submitted at once, greedy, a fixed number of new 
 KV space the fp16 cache must preempt on. Each provider runs in a fresh process
 (:func:`kvpack.integrations.vllm.engine.run_engine`, one short warm-up request outside the timing) with the same
 ``kv_cache_memory_bytes`` (kvpack's full-precision tails are paid from it), scheduler limits and prompts, eager
-(no CUDA graphs: the kvpack backend plans each step on the host); kvpack rows select the backend with
+(no CUDA graphs: the kvpack backend plans each step on the host), vLLM's V1 model runner and no async scheduling
+(what the kvpack backend needs and is tested under); kvpack rows select the backend with
 ``attention_backend="CUSTOM"``. A provider starts only while the time limit leaves it ``--min-start-s``; its
 process is killed at the limit. The rows are ``kvpack bench vllm``'s (:class:`kvpack.bench.vllm.Row`);
 ``greedy_match`` is against ``vllm-default``, which with random weights measures numerical agreement, not quality.
@@ -55,6 +56,9 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001,
     "tie_word_embeddings": False,
 }  # fmt: skip
+# every provider: random weights, no tokenizer, and the scheduling the kvpack backend is tested under (the CPU
+# platform's: no async scheduling); eager and block 64 come from the engine driver
+ENGINE = {"load_format": "dummy", "skip_tokenizer_init": True, "async_scheduling": False}
 # --smoke: the same kind of model, small enough for two CPU cores
 TINY = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
@@ -141,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t0 + cfg["time_limit_s"]
     out = Path(args.out or HERE / "results" / ("gpu_vllm_smoke.json" if args.smoke else "gpu_vllm.json"))
     shape = TINY if args.smoke else LLAMA3_8B
-    # the engines' processes import this checkout's kvpack (vLLM's plugins name modules, found on this path)
+    # the engines' processes import this checkout's kvpack (vLLM's plugins name modules, found on this path), and
+    # run vLLM's V1 model runner: the kvpack backend's tail hook is its (vLLM 0.32 picks V2 wherever Triton runs)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
     ids = token_stream(cfg["prefix"] + cfg["requests"] * cfg["extra"][1], shape["vocab_size"])
     prompts = workload(ids, cfg["requests"], cfg["prefix"], cfg["extra"])
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_model_len": -(-longest // 64) * 64, "max_num_batched_tokens": cfg["max_num_batched_tokens"],
             "dtype": cfg["dtype"], "kernel": args.kernel, "detokenize": False,
         }  # fmt: skip
-        dummy = {"load_format": "dummy", "skip_tokenizer_init": True}
+        result["engine_kwargs"] = engine = ENGINE
         for name in args.providers.split(","):
             left = deadline - time.monotonic()
             if left < cfg["min_start_s"]:
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: skipped, {left:.0f}s left", flush=True)
                 continue
             job = {**base, **provider_extra(name)}
-            job["engine_kwargs"] = {**dummy, **job.get("engine_kwargs", {})}
+            job["engine_kwargs"] = {**engine, **job.get("engine_kwargs", {})}
             started = time.monotonic()
             try:
                 res = run_engine(job, timeout=left)

@@ -90,6 +90,14 @@ def test_backend_check_lists_what_to_change(extra, kvpack, expected):
     assert cfg.cache_config.kv_cache_memory_bytes == space  # nothing paid for an engine that cannot start
 
 
+def test_v2_model_runner_is_refused(monkeypatch):
+    """vLLM 0.32 runs the V2 model runner by default wherever Triton runs (CUDA); the tail hook is the V1 one's."""
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert cfg.use_v2_model_runner
+    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in r for r in _validate(cfg))
+
+
 def test_backend_check_keeps_vllms_own_reasons():
     cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
     reasons = _validate(cfg, SELECTOR._replace(has_sliding_window=True, use_kv_connector=True))

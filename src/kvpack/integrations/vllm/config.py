@@ -132,12 +132,18 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
 
 
 def engine_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
-    """:func:`startup_reasons`, and whether the hook that releases finished requests' tails is in place."""
+    """:func:`startup_reasons`, and whether the hook that releases finished requests' tails is in place: vLLM's V1
+    model runner (``GPUModelRunner._update_states``, which the CPU runner inherits)."""
     from kvpack.integrations.vllm import hooks
 
     reasons = startup_reasons(vllm_config, fmt)
     if not hooks.install():
         reasons.append("this vLLM has no GPUModelRunner._update_states to learn about finished requests from")
+    if getattr(vllm_config, "use_v2_model_runner", False):  # the CUDA default of vLLM 0.32 wherever Triton runs
+        reasons.append(
+            "vLLM's V2 model runner does not go through the hook that releases finished requests' tails; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     return reasons
 
 
