@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpack.integrations.vllm.engine import run_engine
 
-__all__ = ["PROVIDERS", "Row", "prose_token_ids", "run", "workload"]
+__all__ = ["PROVIDERS", "Row", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
 
 # (row name, kvpack format or None, vLLM kv_cache_dtype)
 PROVIDERS = {
@@ -91,16 +91,26 @@ def run(
     }
     rows, reference = [], None
     for name in providers or list(PROVIDERS):
-        fmt, dtype = PROVIDERS.get(name, (name, "auto"))
-        res = run_engine({**base, "format": fmt, "kv_cache_dtype": dtype})
+        res = run_engine({**base, **provider_job(name)})
         if reference is None:
             reference = res["outputs"]
-        match = float(np.mean([a == b for a, b in zip(res["outputs"], reference)]))
-        rows.append(
-            Row(name, res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
-                res["wall_s"], match, sum(res["cached_tokens"]))
-        )  # fmt: skip
+        rows.append(make_row(name, res, reference))
     return rows
+
+
+def provider_job(name: str) -> dict[str, Any]:
+    """A provider's keys of an engine job: the kvpack format (None: vLLM's own cache) and vLLM's kv_cache_dtype.
+    ``name`` is a key of :data:`PROVIDERS` or a kvpack format string."""
+    fmt, dtype = PROVIDERS.get(name, (name, "auto"))
+    return {"format": fmt, "kv_cache_dtype": dtype}
+
+
+def make_row(name: str, res: dict[str, Any], reference: list[list[int]]) -> Row:
+    """The row of one engine result (:func:`~kvpack.integrations.vllm.engine.run_engine`); ``greedy_match``
+    against ``reference``, the reference provider's outputs."""
+    match = float(np.mean([a == b for a, b in zip(res["outputs"], reference)]))
+    return Row(name, res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
+               res["wall_s"], match, sum(res["cached_tokens"]))  # fmt: skip
 
 
 def table(rows: list[Row]) -> str:

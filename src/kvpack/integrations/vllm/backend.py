@@ -25,7 +25,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
-from kvpack.integrations.vllm.config import Settings, settings_from
+from kvpack.integrations.vllm.config import Settings, engine_reasons, pay_tails, settings_from
 from kvpack.integrations.vllm.hooks import register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import PageLayout
@@ -82,6 +82,38 @@ class KVPackAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # connectors move pages whose layout kvpack owns
+
+    @classmethod
+    def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
+        """vLLM's reasons this backend cannot serve the layer, then the engine's kvpack checks
+        (:func:`~kvpack.integrations.vllm.config.engine_reasons`) and, when none applies, the tails paid from
+        ``kv_cache_memory_bytes`` (:func:`~kvpack.integrations.vllm.config.pay_tails`, once per config).
+
+        vLLM's CUDA platform calls this for the selected backend (``--attention-backend CUSTOM``) in each worker
+        while the model's attention layers are built, with the engine's config current: before the weights load
+        and before the worker measures the KV space, the last point the tails can still be paid from it. On the
+        CPU the kvpack platform has run the same checks in the config step (vLLM's CPU platform calls no
+        backend's ``validate_configuration``).
+        """
+        reasons = list(super().validate_configuration(*args, **kwargs))
+        cfg = get_current_vllm_config_or_none()
+        try:
+            settings = settings_from(cfg) if cfg is not None else None
+        except ConfigError as e:
+            return [*reasons, str(e)]
+        if settings is None:
+            return [*reasons, 'kvpack: no format given; pass additional_config={"kvpack": {"format": "int4"}}']
+        reasons += engine_reasons(cfg, settings.format)
+        if not reasons:
+            try:
+                pay_tails(cfg, settings.format)
+            except ConfigError as e:
+                reasons.append(str(e))
+        return reasons
 
     @classmethod
     def customize_spec(cls, spec):
@@ -164,6 +196,14 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self.attn_type = attn_type
         self._layer: PagedLayer | None = None
 
+    def _ensure_layer(self, capacity: int, query: torch.Tensor) -> None:
+        """This layer's :class:`PagedLayer` (its tails) for ``capacity`` requests, in the query's dtype and device."""
+        lay = self._layer
+        if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
+            self._layer = PagedLayer(
+                self.settings.format, self.num_kv_heads, self.head_size, capacity, query.dtype, query.device
+            )
+
     def forward(
         self,
         layer,
@@ -182,12 +222,13 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
             raise UnsupportedError("kvpack: fused output quantization is not supported", ["output quantization"])
         md = attn_metadata
         if md is None:  # the profiling run: nothing to attend
+            cfg = get_current_vllm_config_or_none()
+            if cfg is not None:  # the tails now, so that a profiler of free memory counts them (CUDA)
+                self._ensure_layer(cfg.scheduler_config.max_num_seqs, query)
             return output
-        if self._layer is None or self._layer.dtype != query.dtype:
-            self._layer = PagedLayer(
-                self.settings.format, self.num_kv_heads, self.head_size, md.table.capacity, query.dtype, query.device
-            )
+        self._ensure_layer(md.table.capacity, query)
         n = md.num_actual_tokens
+        assert self._layer is not None
         self._layer.write(kv_cache, md.plan, key[:n], value[:n])
         out = output.view(-1, self.num_heads, self.head_size)
         self._layer.attend(kv_cache, md.plan, md.tensors, query[:n], out, self.scale, self.settings.kernel)

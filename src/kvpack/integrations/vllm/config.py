@@ -1,11 +1,19 @@
 """The kvpack settings of a vLLM engine: ``additional_config={"kvpack": {"format": ...}}``, checked at start-up.
 
 Everything vLLM cannot serve with a kvpack format is refused here, before any weight is loaded, with one line that
-says what to change: never a silent fallback to another backend.
+says what to change: never a silent fallback to another backend. Nothing here is specific to a device; two hooks
+call it (see docs/vllm.md):
+
+* the CPU platform's config step (:meth:`KVPackCpuPlatform.check_and_update_config`), in the process that builds
+  the engine's config, which then travels to the engine core and the workers;
+* the backend's :meth:`KVPackAttentionBackend.validate_configuration`, which vLLM's CUDA platform calls for a
+  selected backend (``--attention-backend CUSTOM``) in each worker as the model's attention layers are built:
+  before the weights load and before the KV space is measured.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +24,13 @@ from kvpack.formats import KVFormat, parse_format
 from kvpack.plans import is_plan
 from kvpack.sizing import vllm_tail_bytes
 
-__all__ = ["KERNELS", "Settings", "settings_from", "startup_reasons", "tail_pool_bytes"]
+__all__ = ["KERNELS", "Settings", "engine_reasons", "pay_tails", "settings_from", "startup_reasons", "tail_pool_bytes"]
+
+logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "cpu", "triton", "reference")
 _KEY = "kvpack"
+_PAID = "_kvpack_tail_bytes"  # set on the cache config once the tails are paid; pickled with it to other processes
 _HINT = 'additional_config={"kvpack": {"format": "int4"}} (CLI: --additional-config \'{"kvpack": {"format": "int4"}}\')'
 
 
@@ -118,3 +129,52 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
         if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"model dtype {model.dtype}: the kvpack tails take float16, bfloat16 or float32")
     return reasons
+
+
+def engine_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
+    """:func:`startup_reasons`, and whether the hook that releases finished requests' tails is in place: vLLM's V1
+    model runner (``GPUModelRunner._update_states``, which the CPU runner inherits)."""
+    from kvpack.integrations.vllm import hooks
+
+    reasons = startup_reasons(vllm_config, fmt)
+    if not hooks.install():
+        reasons.append("this vLLM has no GPUModelRunner._update_states to learn about finished requests from")
+    if getattr(vllm_config, "use_v2_model_runner", False):  # the CUDA default of vLLM 0.32 wherever Triton runs
+        reasons.append(
+            "vLLM's V2 model runner does not go through the hook that releases finished requests' tails; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    return reasons
+
+
+def pay_tails(vllm_config: Any, fmt: KVFormat) -> int:
+    """Take the full-precision tails out of ``kv_cache_memory_bytes``, once per engine config (a mark on the cache
+    config, which vLLM pickles to its other processes with the config, keeps a second call from paying again),
+    so the space a user gives is the memory used. Returns the bytes taken by this call: 0 when no space was given
+    (vLLM then measures free memory; the layers allocate their tails during vLLM's profiling run, which counts
+    them) or when they were paid already.
+
+    Raises:
+        ConfigError: the tails of ``max_num_seqs`` requests do not fit in the space.
+    """
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if model is None or not cache.kv_cache_memory_bytes or getattr(cache, _PAID, None) is not None:
+        return 0
+    parallel = vllm_config.parallel_config
+    layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
+    seqs = vllm_config.scheduler_config.max_num_seqs
+    tails = tail_pool_bytes(fmt, layers, heads, model.get_head_size(), model.dtype, seqs)
+    if tails >= cache.kv_cache_memory_bytes:
+        raise ConfigError(
+            f"kvpack: the tails of {seqs} running requests need {tails / 2**20:.0f} MiB, more than the KV "
+            f"cache space of {cache.kv_cache_memory_bytes / 2**20:.0f} MiB; lower max_num_seqs or raise the space"
+        )
+    cache.kv_cache_memory_bytes -= tails
+    setattr(cache, _PAID, tails)
+    logger.info(
+        "kvpack: format %s; %.1f MiB of the KV space hold the full-precision tails of %d requests",
+        fmt.name or fmt.spec_string(),
+        tails / 2**20,
+        seqs,
+    )
+    return tails

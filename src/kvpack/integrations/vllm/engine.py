@@ -11,15 +11,19 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
-     "warmup": true, "engine_kwargs": {...more vllm.LLM arguments}}
+     "warmup": true, "detokenize": true, "engine_kwargs": {...more vllm.LLM arguments}}
 
 ``warmup`` runs one short request first, outside the counts and the timing (kernel compilation, first calls).
+On CUDA a kvpack format needs ``engine_kwargs={"attention_backend": "CUSTOM"}`` (vLLM's CUDA platform picks its own
+backend otherwise); a job with a format whose engine holds no kvpack tail table fails rather than measure vLLM's
+own cache under kvpack's name.
 
-The result: ``outputs`` (generated token ids per prompt), ``cached_tokens`` (prompt tokens served from the prefix
-cache, per prompt), ``num_blocks``, ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``,
-``generated_tokens``, ``tokens_per_s``, ``tails_left`` (kvpack tails still held once drained: after the step that
-tells the workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next
-call; null for vLLM's cache), ``steps``.
+The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized; empty without
+``detokenize``), ``cached_tokens`` (prompt tokens served from the prefix cache, per prompt), ``num_blocks``,
+``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
+``tails_left`` (kvpack tails still held once drained: after the step that tells the workers which requests
+finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null for vLLM's cache),
+``steps``.
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ def _main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if job.get("format"):  # what the general plugin does, also where kvpack runs from a checkout (no entry points)
+        from kvpack.integrations.vllm import register
+
+        register()
+
     kw: dict[str, Any] = dict(
         enforce_eager=True,
         dtype=job.get("dtype", "float32"),
@@ -102,9 +111,19 @@ def _main() -> None:
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
     kw.update(job.get("engine_kwargs") or {})
     llm = LLM(job["model"], **kw)
+    if job.get("format"):
+        from kvpack.integrations.vllm.hooks import live_tables
+
+        if not live_tables():  # the builders of this process's worker register their tail tables
+            from kvpack.errors import ConfigError
+
+            raise ConfigError(
+                "kvpack: a format was given but vLLM chose another attention backend; on CUDA pass "
+                'engine_kwargs={"attention_backend": "CUSTOM"}'
+            )
     core = llm.llm_engine.engine_core.engine_core
     if job.get("warmup", True):  # compiled kernels and first-call costs out of the timing, for every provider
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=job.get("detokenize", True))
         n = max(1, min(80, kw["max_model_len"] - 8))
         llm.generate([TokensPrompt(prompt_token_ids=[7 + i % 50 for i in range(n)])], warm, use_tqdm=False)
         while core.scheduler.has_requests():
@@ -114,7 +133,7 @@ def _main() -> None:
     num_blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
     sp = SamplingParams(
         temperature=job.get("temperature", 0.0), max_tokens=job.get("max_tokens", 64), seed=job.get("seed", 0),
-        ignore_eos=job.get("ignore_eos", True),
+        ignore_eos=job.get("ignore_eos", True), detokenize=job.get("detokenize", True),
     )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     t0 = time.perf_counter()
@@ -130,6 +149,7 @@ def _main() -> None:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
         "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "num_blocks": num_blocks,
         "kv_capacity_tokens": num_blocks * kw["block_size"],

@@ -52,14 +52,16 @@ class StepTensors:
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor) -> StepTensors:
+        """The tensors on ``block_table``'s device (vLLM's: the kernels want every cache tensor beside the pages)."""
         ql = plan.query_lens
         decode = np.nonzero(ql == 1)[0]
+        dev = block_table.device
         return cls(
             block_table=block_table.to(torch.int32),
-            seq_lens=torch.from_numpy(plan.seq_lens.astype(np.int32)),
-            tail_slot=torch.from_numpy(plan.tail_slot),
-            decode_rows=torch.from_numpy(decode),
-            decode_tokens=torch.from_numpy(plan.query_start[decode]),
+            seq_lens=torch.from_numpy(plan.seq_lens.astype(np.int32)).to(dev),
+            tail_slot=torch.from_numpy(plan.tail_slot).to(dev),
+            decode_rows=torch.from_numpy(decode).to(dev),
+            decode_tokens=torch.from_numpy(plan.query_start[decode]).to(dev),
             prefill_rows=np.nonzero(ql > 1)[0],
         )
 
@@ -78,6 +80,7 @@ class PagedLayer:
         self.format = fmt
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.capacity, self.device = capacity, torch.device(device)
         shape = (capacity + 1, kv_heads, fmt.block_size, head_dim)
         self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
         self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
@@ -205,7 +208,7 @@ class PagedLayer:
         for t, rows in by_len.items():
             starts = [int(plan.query_start[i]) for i in rows]
             q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
-            kv = self.view(kv_cache, st, torch.tensor(rows))
+            kv = self.view(kv_cache, st, torch.tensor(rows, device=st.seq_lens.device))
             name = fused_chunk_backend(q, kv, None, kernel)
             if name is None:
                 res = paged_attention_reference(q, kv, sm_scale=sm_scale)

