@@ -177,3 +177,43 @@ def test_cpu_kernel_matches_reference(name: str) -> None:
     q = torch.randn(len(lens), 4, 64)
     got = decode_attention(q, kv, backend="cpu")
     assert_close(got, ref.decode_attention(q, kv, None, None, None), *cpu_kernel_tolerance(kv), name)
+
+
+def test_peers_run_through_the_harness_like_presets(tmp_path) -> None:
+    """The kvpack engine stores and reads every peer on a model (tiny: head_dim 32, so no quanto), the static
+    one with scales from an artifact calibrated for it, and reports each one's real bits."""
+    from types import SimpleNamespace
+
+    from kvpack.calibration.run import calibrate
+    from kvpack.evaluation.runner import wrap
+    from kvpack.evaluation.suite import EvalConfig, run_eval
+    from kvpack.evaluation.tiny import tiny_model
+
+    model, tok = tiny_model(seed=0, max_positions=1024)
+    lm = wrap(model, tok, "tiny")
+    enc = SimpleNamespace(encode=lambda text, add_special_tokens=False: lm.encode(text))
+    calibrate(lm.model, enc, samples=2, seq_len=128, format="vllm-fp8-static").save(tmp_path)
+    names = ["fp16", "llamacpp-q8_0", "llamacpp-q4_0", "vllm-int8", "vllm-fp8", "vllm-int4", "vllm-fp8-static"]
+    cfg = EvalConfig(
+        formats=names,
+        lengths=[192],
+        depths=[0.5],
+        kinds=["number"],
+        fidelity_tokens=256,
+        fidelity_chunk=128,
+        attribution=[],
+        sensitivity_tokens=0,
+        speculative_tokens=0,
+        engine="kvpack",
+        calibration=str(tmp_path),
+    )
+    r = run_eval(cfg, lm=lm)
+    fid = r["fidelity"]["variants"]
+    assert set(fid) == set(names)
+    assert fid["llamacpp-q8_0"]["kl_mean"] < fid["llamacpp-q4_0"]["kl_mean"]  # 8 bits beat 4
+    assert fid["vllm-int8"]["kl_mean"] < fid["vllm-int4"]["kl_mean"]
+    for name in names[1:]:
+        f = r["formats"][name]
+        assert f["bits_per_element"] == PEER_PRESETS[name].bits_per_element(lm.kv_heads, lm.head_dim)
+        assert 0 < f["measured_cache_bytes"] < r["formats"]["fp16"]["measured_cache_bytes"]
+    assert r["calibration"]["source_per_format"].keys() == {"vllm-fp8-static"}
