@@ -217,3 +217,37 @@ def test_peers_run_through_the_harness_like_presets(tmp_path) -> None:
         assert f["bits_per_element"] == PEER_PRESETS[name].bits_per_element(lm.kv_heads, lm.head_dim)
         assert 0 < f["measured_cache_bytes"] < r["formats"]["fp16"]["measured_cache_bytes"]
     assert r["calibration"]["source_per_format"].keys() == {"vllm-fp8-static"}
+
+
+@pytest.mark.parametrize("name", [n for n in PEER_PRESETS if n != "vllm-fp8-static"])
+def test_cpu_chunk_kernel_matches_reference(name: str) -> None:
+    pytest.importorskip("numba")
+    from kvpack.kernels import chunk_attention
+    from kvpack.kernels import reference as ref
+    from kvpack.testing import assert_close, random_paged_kv
+
+    kv, _, _ = random_paged_kv(PEER_PRESETS[name].with_block_size(16), [20, 50], kv_heads=2, head_dim=64, seed=3)
+    q = torch.randn(2, 5, 4, 64)
+    got = chunk_attention(q, kv, backend="cpu")
+    assert_close(got, ref.chunk_attention(q, kv), 1e-2, 1e-2, name)  # the chunk kernels round values to bf16
+
+
+@pytest.mark.parametrize("name", [n for n in PEER_PRESETS if n != "vllm-fp8-static"])
+def test_triton_kernels_match_reference(name: str) -> None:
+    """Decode and chunk through the Triton kernels (under the Triton interpreter, as every Triton test here)."""
+    pytest.importorskip("triton")
+    from _triton_interpreter import fixed_interpreter
+    from kvpack.kernels import reference as ref
+    from kvpack.kernels import run_backend, run_chunk_backend
+    from kvpack.testing import assert_close, random_paged_kv
+
+    fmt = PEER_PRESETS[name].with_block_size(16)
+    with fixed_interpreter():
+        kv, _, _ = random_paged_kv(fmt, [1, 15, 17, 50], 2, 64, tail_dtype=torch.float16, seed=0)
+        q = torch.randn(4, 8, 64).half()
+        got = run_backend("triton", q, kv)  # the dispatcher rotates the query for vllm-int4's rotated keys
+        assert_close(got.float(), ref.decode_attention(q.float(), kv), 5e-3, 5e-3, f"{name} decode")
+        kv, _, _ = random_paged_kv(fmt, [20, 40], 2, 64, tail_dtype=torch.float16, seed=1)
+        q = torch.randn(2, 3, 8, 64).half()
+        got = run_chunk_backend("triton", q, kv)
+        assert_close(got.float(), ref.chunk_attention(q.float(), kv), 1e-2, 1e-2, f"{name} chunk")
