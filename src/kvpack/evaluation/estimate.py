@@ -1,15 +1,14 @@
 """How long a sweep will take, from a probe of this machine's speed on this model (a few seconds).
 
-The probe times, through the :class:`~kvpack.evaluation.runner.Runner` the sweep uses (each the fastest of a
-few tries, so a moment of contention on a shared machine does not count): a full-precision prefill of ``n``
-tokens, the same document stored into a quantized cache, a chunk through that cache against the same chunk
-in full precision (how much slower the quantized path is), a decode step through it, and cutting a document
-from the text. A prefill's time is scaled to other lengths by its arithmetic (``2 x parameters`` per token
-for the weights, ``4 x heads x head_dim x layers`` per token and position for attention), so one probe length
-serves every length of the sweep. :func:`estimate` then counts what the configuration runs (documents
-prefilled, questions and answer tokens per format, teacher-forced tokens per variant, ...) at those costs.
-A rough figure (answers stop early, the machine's load changes): good to tell a two-minute run from a
-two-hour one.
+The probe times, through the :class:`~kvpack.evaluation.runner.Runner` the sweep uses (each the fastest of
+two tries, so a moment of contention on a shared machine counts less): a full-precision prefill of ``n``
+tokens (each needle document is prefilled once so), storing it into a quantized cache, a chunk of 64 tokens
+and a decode step through that cache (the questions, answers, teacher-forced chunks and speculative rounds
+all read the quantized cache this way), the per-layer sensitivity of a short text, and cutting a document
+from the text. Times are scaled to other lengths by the arithmetic (``2 x parameters`` per token for the
+weights, ``4 x heads x head_dim x layers`` per token and attended position), so one probe serves every
+length of the sweep. :func:`estimate` then counts what the configuration runs at those costs. A rough figure
+(answers stop early, the machine's load changes): good to tell a two-minute run from a two-hour one.
 """
 
 from __future__ import annotations
@@ -20,10 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Estimate", "Probe", "estimate", "probe"]
+__all__ = ["Estimate", "Probe", "estimate", "model_flops", "probe"]
 
 QUESTION_TOKENS = 40  # a needle question with its chat framing and the start of the answer
 ANSWER_STEPS = 6  # greedy steps until an answer is decided (they stop early)
+CHUNK = 64  # tokens of the probe's quantized chunk
+SENSITIVITY_TOKENS = 64  # tokens of the probe's per-layer sensitivity run
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,10 @@ class Probe:
     Attributes:
         tokens: the probe document's length ``n``.
         prefill_s: a full-precision prefill of ``n`` tokens.
-        chunk_ratio: a chunk through a quantized cache over the same chunk in full precision (at least 1).
-        step_s: one decode step through the quantized cache, at ``n`` tokens of context.
+        chunk_s: a chunk of :data:`CHUNK` tokens through a quantized cache holding ``n`` tokens.
+        step_s: one decode step through that cache.
         fill_s: storing the ``n``-token document into a fresh quantized cache (sealing included).
+        sensitivity_s: the per-layer sensitivity of :data:`SENSITIVITY_TOKENS` tokens for one format.
         text_s: cutting a document from the text, per token.
         weight_flops: arithmetic per token for the weights (``2 x`` the parameters outside the embeddings).
         attention_flops: arithmetic per token and attended position (``4 x query heads x head_dim x layers``).
@@ -43,9 +45,10 @@ class Probe:
 
     tokens: int
     prefill_s: float
-    chunk_ratio: float
+    chunk_s: float
     step_s: float
     fill_s: float
+    sensitivity_s: float
     text_s: float
     weight_flops: float
     attention_flops: float
@@ -59,22 +62,33 @@ class Probe:
         return n * self.weight_flops + self.attention_flops * n * (context + (n + 1) / 2)
 
     def prefill(self, n: int) -> float:
+        """A full-precision prefill of ``n`` tokens."""
         return self.prefill_s * self._work(n) / self._work(self.tokens)
 
     def chunk(self, n: int, context: int) -> float:
-        """``n`` tokens after ``context`` tokens, full precision."""
-        return self.prefill_s * self._work(n, context) / self._work(self.tokens)
+        """``n`` tokens after ``context`` tokens, through a quantized cache."""
+        return self.chunk_s * self._work(n, context) / self._work(CHUNK, self.tokens)
+
+    def chunks(self, n: int, size: int) -> float:
+        """``n`` tokens fed in chunks of ``size`` through a quantized cache (teacher forcing)."""
+        return sum(self.chunk(min(size, n - c0), c0) for c0 in range(0, n, max(1, size)))
 
     def step(self, context: int) -> float:
         """One quantized decode step at ``context`` tokens."""
         return self.step_s * self._work(1, context) / self._work(1, self.tokens)
+
+    def sensitivity(self, n: int) -> float:
+        """The per-layer sensitivity of ``n`` tokens for one format: per-layer work more than per-token work,
+        so it grows about as the square root of the length (on the embedded model: twice the tokens, 1.3x
+        the time; 8x, about 3x)."""
+        return self.sensitivity_s * math.sqrt(n / SENSITIVITY_TOKENS)
 
     def fill(self, n: int) -> float:
         """Storing ``n`` tokens into a fresh quantized cache: about half a fixed cost, half per token."""
         return self.fill_s * (0.5 + 0.5 * n / self.tokens)
 
 
-def _timed(fn: Callable[[], Any], repeats: int = 3) -> float:
+def _timed(fn: Callable[[], Any], repeats: int = 2) -> float:
     best = math.inf
     for _ in range(repeats):
         t = time.perf_counter()
@@ -96,35 +110,34 @@ def model_flops(model: Any) -> tuple[float, float]:
 
 
 def probe(
-    runner: Any, ids: Sequence[int], fmt: Any, document: Callable[[int], Any] | None = None, repeats: int = 3
+    runner: Any,
+    ids: Sequence[int],
+    fmt: Any,
+    document: Callable[[int], Any] | None = None,
+    sensitivity: Callable[[Sequence[int]], Any] | None = None,
 ) -> Probe:
-    """Time ``runner`` on ``ids`` (at least 96 tokens; 512 is plenty: the last 32 are the chunk and the decode
-    steps) and on a cache of ``fmt``; ``document(n)`` cuts a document of ``n`` tokens from the text
-    (:meth:`Corpus.haystack`)."""
+    """Time ``runner`` on ``ids`` (at least 128 tokens; 512 is plenty: the last :data:`CHUNK` are the chunk and
+    the decode steps) and on a cache of ``fmt``; ``document(n)`` cuts a document of ``n`` tokens from the text
+    (:meth:`Corpus.haystack`), ``sensitivity(ids)`` runs the per-layer sensitivity of ``fmt`` on ``ids``."""
     ids = list(ids)
-    n = len(ids) - 32
+    n = len(ids) - CHUNK
     runner.forward(ids[:16], runner.cache(None, 16))  # first-call costs out of the way
-    prefill_s = _timed(lambda: runner.prefill(ids[:n]), repeats)
+    prefill_s = _timed(lambda: runner.prefill(ids[:n]))
     pre = runner.prefill(ids[:n])
     chunk = ids[n:]
     room = len(ids) + 8
-
-    def through(f: Any) -> float:
-        caches = [runner.filled(pre, f, room) for _ in range(repeats)]  # filled outside the timing
-        return min(_timed(lambda c=c: runner.forward(chunk, c, logits_to_keep=1), 1) for c in caches)
-
-    ratio = max(1.0, through(fmt) / max(through(None), 1e-9))
-    fill_s = _timed(lambda: runner.filled(pre, fmt, room), repeats)
-    text_s = _timed(lambda: document(n), 1) / n if document is not None else 0.0
-    cache = runner.filled(pre, fmt, room)
-    runner.forward(chunk[:1], cache, logits_to_keep=1)
+    fill_s = _timed(lambda: runner.filled(pre, fmt, room))
+    caches = [runner.filled(pre, fmt, room) for _ in range(2)]  # filled outside the timing
+    chunk_s = min(_timed(lambda c=c: runner.forward(chunk, c, logits_to_keep=1), 1) for c in caches)
     steps = []
-    for tok in chunk[1:5]:
+    for tok in chunk[:4]:  # the first cache now holds the chunk: decode steps after it
         t = time.perf_counter()
-        runner.forward([tok], cache, logits_to_keep=1)
+        runner.forward([tok], caches[0], logits_to_keep=1)
         steps.append(time.perf_counter() - t)
+    text_s = _timed(lambda: document(n), 1) / n if document is not None else 0.0
+    sens_s = _timed(lambda: sensitivity(ids[:SENSITIVITY_TOKENS]), 1) if sensitivity is not None else 0.0
     weight, attention = model_flops(runner.lm.model)
-    return Probe(n, prefill_s, ratio, min(steps), fill_s, text_s, weight, attention)
+    return Probe(n, prefill_s, chunk_s, min(steps), fill_s, sens_s, text_s, weight, attention)
 
 
 @dataclass(frozen=True)
@@ -165,7 +178,6 @@ def estimate(cfg: Any, p: Probe, n_formats: int, n_variants: int, num_layers: in
         n_variants: caches of the fidelity run (formats plus keys-only / values-only variants).
         num_layers: the model's layers (the plan search's length).
     """
-    q = p.chunk_ratio
     sec: dict[str, float] = {}
     cases = len(cfg.depths) * len(cfg.kinds)
     if cases and cfg.lengths:  # per case: cut and prefill the document, then per format store, ask, answer
@@ -174,22 +186,25 @@ def estimate(cfg: Any, p: Probe, n_formats: int, n_variants: int, num_layers: in
             * (
                 p.text_s * n
                 + p.prefill(n)
-                + n_formats * (p.fill(n) + q * p.chunk(QUESTION_TOKENS, n) + (1 + ANSWER_STEPS) * p.step(n))
+                + n_formats * (p.fill(n) + p.chunk(QUESTION_TOKENS, n) + ANSWER_STEPS * p.step(n))
             )
             for n in cfg.lengths
         )
-    if cfg.fidelity_tokens:  # the reference and every variant through the same chunks (each call costs a step)
-        calls = math.ceil(cfg.fidelity_tokens / cfg.fidelity_chunk) * (1 + n_variants)
-        sec["fidelity"] = p.prefill(cfg.fidelity_tokens) * (1 + q * n_variants) + calls * p.step_s
+    if cfg.fidelity_tokens:  # the full-precision reference, then every variant through the same chunks
+        n = cfg.fidelity_tokens
+        sec["fidelity"] = p.prefill(n) + n_variants * (p.fill(0) + p.chunks(n, cfg.fidelity_chunk))
     if cfg.sensitivity_tokens:  # one recorded forward, then each layer's attention again per format
-        sec["sensitivity"] = p.prefill(cfg.sensitivity_tokens) * (1 + 0.5 * max(0, n_formats - 1))
-    if cfg.plan_budget is not None:
+        n = cfg.sensitivity_tokens
+        sec["sensitivity"] = p.prefill(n) + max(0, n_formats - 1) * p.sensitivity(n)
+    if cfg.plan_budget is not None:  # the ladder's sensitivity, then a binary search of teacher-forced runs
+        n = max(cfg.sensitivity_tokens, 256)
         probes = math.ceil(math.log2(max(2, num_layers * (len(cfg.plan_formats) - 1) + 1))) + 2
-        sens = p.prefill(max(cfg.sensitivity_tokens, 256)) * (1 + 0.5 * len(cfg.plan_formats))
-        sec["plan"] = sens + probes * p.prefill(cfg.plan_tokens) * (1 + q)
-    if cfg.speculative_tokens:  # per format: the two caches, then a draft step and a share of a verification
+        run = p.prefill(cfg.plan_tokens) + p.fill(0) + p.chunks(cfg.plan_tokens, cfg.fidelity_chunk)
+        sec["plan"] = p.prefill(n) + len(cfg.plan_formats) * p.sensitivity(n) + probes * run
+    if cfg.speculative_tokens:  # per format: two caches, the question, then draft steps and verifications
         c = cfg.speculative_context
-        new = cfg.speculative_tokens
-        per_format = 2 * p.fill(c) + new * (p.step(c) * (1 + q) + q * p.chunk(cfg.draft_tokens + 1, c) / 2)
+        rounds = cfg.speculative_tokens / 2  # about two new tokens per verification on a quantized target
+        per_format = 2 * p.fill(c) + 2 * p.chunk(20, c)
+        per_format += cfg.speculative_tokens * p.step(c) + rounds * p.chunk(cfg.draft_tokens + 1, c)
         sec["speculative"] = cfg.speculative_prompts * (p.text_s * c + p.prefill(c) + n_formats * per_format)
     return Estimate(sum(sec.values()), sec, n_formats, len(cfg.lengths), p)

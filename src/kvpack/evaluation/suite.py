@@ -422,7 +422,9 @@ def _run_eval(
             compiled = compile_if_cold(notify)
             if compiled is not None:
                 run_notes["compile_seconds"] = compiled
+        t = time.perf_counter()
         run_notes["estimate"] = _estimate(runner, cfg, corpus, formats, notify)
+        timings["probe"] = time.perf_counter() - t
 
     measured: dict[str, int] = {}
     t = time.perf_counter()
@@ -513,11 +515,18 @@ def _estimate(
     from kvpack.evaluation.estimate import estimate, probe
 
     n = min(512, corpus.tokens or 512)
-    if n < 96:  # too little text to time anything on (the sweep runs on even less)
+    if n < 128:  # too little text to time anything on (the sweep runs on even less)
         return {}
     ids = corpus.passage(n, seed=cfg.seed * 1_000_003 + 17)
     quantized = [f for name, f in formats.items() if name != cfg.baseline] or list(formats.values())
-    p = probe(runner, ids, quantized[0], lambda n: corpus.haystack(n, seed=cfg.seed * 1_000_003 + 19))
+    fmt = quantized[0]
+    p = probe(
+        runner,
+        ids,
+        fmt,
+        document=lambda n: corpus.haystack(n, seed=cfg.seed * 1_000_003 + 19),
+        sensitivity=lambda ids: layer_sensitivity(runner, ids, {fmt.name: fmt}) if not fmt.is_passthrough else None,
+    )
     variants = len(formats) + 2 * len(_attribution_names(cfg, formats)) if cfg.fidelity_tokens else 0
     est = estimate(cfg, p, len(formats), variants, runner.lm.num_layers)
     notify(f"kvpack eval: {est.line()}")
