@@ -92,6 +92,8 @@ def test_bad_files_are_refused_with_the_fix(tmp_path, content, name, message):
 def test_a_folder_and_too_much_text_are_refused(tmp_path, notes, monkeypatch):
     with pytest.raises(ConfigError, match="is a folder"):
         load_text([str(tmp_path)])
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_text(["/dev/null"])
     monkeypatch.setattr(corpus_mod, "MAX_TEXT_BYTES", notes.stat().st_size + 10)
     load_text([str(notes)])  # one file fits
     with pytest.raises(ConfigError, match="more text than --text takes"):

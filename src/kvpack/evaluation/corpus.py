@@ -86,6 +86,8 @@ def _read(path: str, budget: int) -> tuple[str, int]:
         raise ConfigError(f"{where}: no such file; give the path of a text or JSONL file")
     if os.path.isdir(path):
         raise ConfigError(f"{where} is a folder; give text or JSONL files (e.g. {os.path.join(path, '*.txt')})")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where} is not a regular file (a device or a pipe); save the text to a file and give that")
     try:
         with open(path, "rb") as fh:
             data = fh.read(budget + 1)
