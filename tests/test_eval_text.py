@@ -253,7 +253,7 @@ def test_lengths_max(lm):
 
 
 def fake_probe(**kw):
-    base = dict(tokens=512, prefill_s=0.25, chunk_s=0.3, step_s=0.025, fill_s=0.05, sensitivity_s=0.5,
+    base = dict(tokens=512, prefill_s=0.25, chunk_s=0.3, step_s=0.025, draft_step_s=0.02, fill_s=0.05, sensitivity_s=0.5,
                 text_s=1e-5, weight_flops=2.0e8, attention_flops=4.0 * 9 * 64 * 30)  # fmt: skip
     return Probe(**(base | kw))
 
@@ -262,10 +262,13 @@ def test_probe_arithmetic():
     p = fake_probe()
     assert p.prefill(512) == pytest.approx(0.25) and p.prefill_tok_s == pytest.approx(2048)
     assert p.prefill(4096) > 8 * p.prefill(512)  # attention grows with the square of the length
-    assert p.prefill(1024) == pytest.approx(p.prefill(512) * p.chunk(1024, 0) / p.chunk(512, 0))  # one arithmetic
+    assert p.prefill(64) / p.prefill(32) == pytest.approx(p.chunk(64, 0) / p.chunk(32, 0))  # one arithmetic
     assert p.step(512) == pytest.approx(0.025) and p.step(8192) > p.step(512)
+    assert p.step(512, draft=True) == pytest.approx(0.02)
     assert p.fill(512) == pytest.approx(0.05) and p.fill(0) == pytest.approx(0.025)
     assert p.chunk(64, 512) == pytest.approx(0.3) and p.chunk(64, 4096) > p.chunk(64, 512)
+    # a chunk 8x longer costs half as much per token as its arithmetic alone says
+    assert p.chunk(512, 0) / p.chunk(64, 0) == pytest.approx(p.prefill(512) / p.prefill(64) / 2)
     assert p.chunks(1024, 512) == pytest.approx(p.chunk(512, 0) + p.chunk(512, 512))
     assert p.sensitivity(64) == pytest.approx(0.5) and p.sensitivity(256) == pytest.approx(1.0)
 
