@@ -115,3 +115,28 @@ def test_cold_entries_is_cheap():
     for _ in range(5):
         warmup.cold_entries()
     assert (time.perf_counter() - t) / 5 < 0.5
+
+
+def test_generate_says_it_compiles_after_the_model_loads(monkeypatch, capsys):
+    import torch
+
+    import kvpack.models
+    from kvpack.cli.main import main
+    from kvpack.evaluation.tiny import ByteTokenizer, tiny_model
+
+    class Tok(ByteTokenizer):
+        def __call__(self, text, return_tensors=None, **kw):
+            ids = super().__call__(text)["input_ids"]
+            return {"input_ids": torch.tensor([ids])} if return_tensors == "pt" else {"input_ids": ids}
+
+    model, _ = tiny_model(seed=0, max_positions=256)
+    order = []
+    monkeypatch.setattr(kvpack.models, "load_model", lambda path=None: order.append("load") or (model, Tok()))
+    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_numba.work"])
+    monkeypatch.setattr(warmup, "warm_up", lambda: order.append("compile") or 2.0)
+    assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "2", "--raw", "--format", "int8"]) == 0
+    assert order == ["load", "compile"]
+    err = capsys.readouterr().err
+    assert "compiling the CPU attention kernels" in err and "compiled in 2 s" in err
+    assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "1", "--raw", "--backend", "reference"]) == 0
+    assert order == ["load", "compile", "load"]  # the reference backend runs no compiled kernel
