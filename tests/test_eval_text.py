@@ -267,8 +267,10 @@ def test_probe_arithmetic():
     assert p.step(512, draft=True) == pytest.approx(0.02)
     assert p.fill(512) == pytest.approx(0.05) and p.fill(0) == pytest.approx(0.025)
     assert p.chunk(64, 512) == pytest.approx(0.3) and p.chunk(64, 4096) > p.chunk(64, 512)
-    # a chunk 8x longer costs half as much per token as its arithmetic alone says
-    assert p.chunk(512, 0) / p.chunk(64, 0) == pytest.approx(p.prefill(512) / p.prefill(64) / 2)
+    # a chunk's fixed part is paid once whatever its length
+    fixed = fake_probe(chunk_fixed_s=0.2)
+    assert fixed.chunk(64, 512) == pytest.approx(0.3)
+    assert fixed.chunk(512, 0) - 0.2 == pytest.approx((p.chunk(512, 0)) / 3)  # 0.1 of 0.3 is per token
     assert p.chunks(1024, 512) == pytest.approx(p.chunk(512, 0) + p.chunk(512, 512))
     assert p.sensitivity(64) == pytest.approx(0.5) and p.sensitivity(256) == pytest.approx(1.0)
 

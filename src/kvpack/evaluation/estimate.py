@@ -2,10 +2,10 @@
 
 The probe times, through the :class:`~kvpack.evaluation.runner.Runner` the sweep uses (each the fastest of
 two tries, so a moment of contention on a shared machine counts less): a full-precision prefill of ``n``
-tokens (each needle document is prefilled once so), storing it into a quantized cache, a chunk of 64 tokens
-and a decode step through that cache (the questions, answers, teacher-forced chunks and speculative rounds
-all read the quantized cache this way), the per-layer sensitivity of a short text, and cutting a document
-from the text. Times are scaled to other lengths by the arithmetic (``2 x parameters`` per token for the
+tokens (each needle document is prefilled once so) and a full-precision decode step (a speculative draft's),
+the per-layer sensitivity of a short text, cutting a document from the text, then storing the document into
+a quantized cache, chunks of 16 and 64 tokens and a decode step through that cache (the questions, answers,
+teacher-forced chunks and speculative rounds all read the quantized cache this way). Times are scaled to other lengths by the arithmetic (``2 x parameters`` per token for the
 weights, ``4 x heads x head_dim x layers`` per token and attended position), so one probe serves every
 length of the sweep. :func:`estimate` then counts what the configuration runs at those costs. A rough figure
 (answers stop early, the machine's load changes): good to tell a two-minute run from a two-hour one.
@@ -35,6 +35,8 @@ class Probe:
         tokens: the probe document's length ``n``.
         prefill_s: a full-precision prefill of ``n`` tokens.
         chunk_s: a chunk of :data:`CHUNK` tokens through a quantized cache holding ``n`` tokens.
+        chunk_fixed_s: the part of ``chunk_s`` that does not depend on the chunk's length (from a chunk a
+            quarter as long).
         step_s: one decode step through that cache.
         draft_step_s: one decode step through a full-precision cache (a speculative draft's).
         fill_s: storing the ``n``-token document into a fresh quantized cache (sealing included).
@@ -54,6 +56,7 @@ class Probe:
     text_s: float
     weight_flops: float
     attention_flops: float
+    chunk_fixed_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -68,11 +71,11 @@ class Probe:
         return self.prefill_s * self._work(n) / self._work(self.tokens)
 
     def chunk(self, n: int, context: int) -> float:
-        """``n`` tokens after ``context`` tokens, through a quantized cache. Longer chunks cost less per token
-        (on the embedded model a 512-token chunk about half of a 64-token one's per token): the arithmetic's
-        share, less a third of a power of the length past :data:`CHUNK`."""
-        longer = (CHUNK / n) ** (1 / 3) if n > CHUNK else 1.0
-        return self.chunk_s * self._work(n, context) / self._work(CHUNK, self.tokens) * longer
+        """``n`` tokens after ``context`` tokens, through a quantized cache: the fixed part, and the per-token
+        part scaled by the arithmetic per token at that context."""
+        per_token = (self.chunk_s - self.chunk_fixed_s) / CHUNK
+        scale = (self._work(n, context) / n) / (self._work(CHUNK, self.tokens) / CHUNK)
+        return self.chunk_fixed_s + per_token * n * scale
 
     def chunks(self, n: int, size: int) -> float:
         """``n`` tokens fed in chunks of ``size`` through a quantized cache (teacher forcing)."""
@@ -132,9 +135,6 @@ def probe(
     pre = runner.prefill(ids[:n])
     chunk = ids[n:]
     room = len(ids) + 8
-    fill_s = _timed(lambda: runner.filled(pre, fmt, room))
-    caches = [runner.filled(pre, fmt, room) for _ in range(2)]  # filled outside the timing
-    chunk_s = min(_timed(lambda c=c: runner.forward(chunk, c, logits_to_keep=1), 1) for c in caches)
 
     def steps(cache: Any) -> float:
         best = math.inf
@@ -144,17 +144,29 @@ def probe(
             best = min(best, time.perf_counter() - t)
         return best
 
-    step_s = steps(caches[0])  # the first cache now holds the chunk: decode steps after it
-    draft = runner.filled(pre, None, room)
-    runner.forward(chunk[:1], draft, logits_to_keep=1)  # switching the attention back costs once, not per step
-    draft_step_s = steps(draft)
+    # full-precision work first: right after the CPU kernels' parallel loops, numba's OpenMP workers can slow
+    # torch's own steps for a while, by an amount that varies from run to run
+    draft_step_s = steps(runner.filled(pre, None, room))
     text_s = _timed(lambda: document(n), 1) / n if document is not None else 0.0
     sens_s = 0.0
     if sensitivity is not None:
         sensitivity(ids[:8])  # its first call sets things up once per run (the sweep pays that once too)
         sens_s = _timed(lambda: sensitivity(ids[:SENSITIVITY_TOKENS]), 1)
+    fill_s = _timed(lambda: runner.filled(pre, fmt, room))
+
+    def through(tokens: Sequence[int]) -> float:
+        caches = [runner.filled(pre, fmt, room) for _ in range(2)]  # filled outside the timing
+        return min(_timed(lambda c=c: runner.forward(tokens, c, logits_to_keep=1), 1) for c in caches)
+
+    short_s = through(chunk[: CHUNK // 4])
+    chunk_s = through(chunk)
+    cache = runner.filled(pre, fmt, room)
+    runner.forward(chunk, cache, logits_to_keep=1)
+    step_s = steps(cache)  # decode steps after a chunk, as an answer follows its question
+    # a chunk costs a fixed part (per layer and call) and a part per token: the two lengths tell them apart
+    fixed = min(max(0.0, (4 * short_s - chunk_s) / 3), chunk_s)
     weight, attention = model_flops(runner.lm.model)
-    return Probe(n, prefill_s, chunk_s, step_s, draft_step_s, fill_s, sens_s, text_s, weight, attention)
+    return Probe(n, prefill_s, chunk_s, step_s, draft_step_s, fill_s, sens_s, text_s, weight, attention, fixed)
 
 
 @dataclass(frozen=True)
