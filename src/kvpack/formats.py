@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from kvpack.errors import FormatError
 
 __all__ = [
+    "PEER_PRESETS",
     "PRESETS",
     "DType",
     "Granularity",
@@ -521,7 +522,7 @@ class KVFormat:
 
     def _preset_base(self) -> KVFormat | None:
         head = self.name.split(",")[0]
-        p = PRESETS.get(head)
+        p = PRESETS.get(head) or PEER_PRESETS.get(head)
         return p if p is not None and (p.key, p.value) == (self.key, self.value) else None
 
     def with_block_size(self, block_size: int) -> KVFormat:
@@ -630,12 +631,58 @@ PRESETS = {
 }
 
 
+# ----------------------------------------------------------------------------------------------------
+# Other systems' layouts: what llama.cpp, vLLM and transformers' quanto cache store, in kvpack's spec language,
+# so they are evaluated (and sized) like kvpack's presets. None gets a kvpack default the peer does not have:
+# no sink, no rotation unless the peer rotates. kvpack still keeps its full-precision tail (one block), so the
+# block size is the smallest the kernels run well at (16) where the peer quantizes every token at once, and
+# quanto's residual length (128) for quanto. Where each comes from, and where the mapping is not exact:
+# docs/formats.md, "Other systems' layouts".
+
+
+def _peer(name: str, key: QuantSpec, value: QuantSpec | None = None, block: int = 16) -> KVFormat:
+    return KVFormat(key, key if value is None else value, block, name=name)
+
+
+_FP32 = ScaleDType.FP32
+PEER_PRESETS: dict[str, KVFormat] = {
+    # GGML_TYPE_Q8_0 for the K and V cache (--cache-type-k/-v q8_0): blocks of 32 along head_dim, 32 int8 codes
+    # and one fp16 scale (34 bytes per 32 elements): 8.5 bits
+    "llamacpp-q8_0": _peer("llamacpp-q8_0", QuantSpec(DType.INT8, PerGroup(32), True, _FP16)),
+    # GGML_TYPE_Q4_0: 32 4-bit codes and one fp16 scale per 32 elements (18 bytes): 4.5 bits
+    "llamacpp-q4_0": _peer("llamacpp-q4_0", QuantSpec(DType.INT4, PerGroup(32), True, _FP16)),
+    # kv_cache_dtype="int8_per_token_head": one fp32 scale per token and kv head (8.25 bits at head_dim 128)
+    "vllm-int8": _peer("vllm-int8", QuantSpec(DType.INT8, PerToken(), True, _FP32)),
+    # kv_cache_dtype="fp8_per_token_head": e4m3, one fp32 scale per token and kv head
+    "vllm-fp8": _peer("vllm-fp8", QuantSpec(DType.FP8_E4M3, PerToken(), True, _FP32)),
+    # kv_cache_dtype="int4_per_token_head": keys and values Hadamard-rotated, asymmetric int4 per token and
+    # kv head, one 32-bit word holding the scale and the zero-point (here an fp16 scale + an fp16 zero: the same
+    # 32 bits); kvpack rotates keys only
+    "vllm-int4": _peer(
+        "vllm-int4",
+        QuantSpec(DType.INT4, PerToken(), False, _FP16, rotate=True),
+        QuantSpec(DType.INT4, PerToken(), False, _FP16),
+    ),
+    # kv_cache_dtype="fp8" with a checkpoint's (calibrated) k_scale / v_scale: e4m3, one fp32 scale per tensor;
+    # static, so it needs a calibration artifact like any '@static' format
+    "vllm-fp8-static": _peer("vllm-fp8-static", QuantSpec(DType.FP8_E4M3, PerTensor(), True, _FP32, static=True)),
+    # transformers' QuantizedCache(backend="quanto", nbits=4): per-token groups of 64 channels, scale and shift
+    # in the model dtype (fp16 here), a residual of 128 full-precision tokens
+    "quanto-int4": _peer("quanto-int4", QuantSpec(DType.INT4, PerGroup(64), False, _FP16), block=128),
+    "quanto-int2": _peer("quanto-int2", QuantSpec(DType.INT2, PerGroup(64), False, _FP16), block=128),
+}
+
+
 def preset(name: str) -> KVFormat:
-    """The preset called ``name``; :class:`FormatError` listing the presets otherwise."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise FormatError(f"unknown format preset {name!r}; presets are: {', '.join(PRESETS)}") from None
+    """The preset called ``name`` (kvpack's own or another system's layout); :class:`FormatError` listing the
+    presets otherwise."""
+    found = PRESETS.get(name) or PEER_PRESETS.get(name)
+    if found is None:
+        raise FormatError(
+            f"unknown format preset {name!r}; presets are: {', '.join(PRESETS)}; other systems' layouts: "
+            f"{', '.join(PEER_PRESETS)}"
+        )
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -665,7 +712,7 @@ SYNTAX_HELP = (
 
 
 def _help() -> str:
-    return SYNTAX_HELP.format(presets=", ".join(PRESETS), dtypes="|".join(d.value for d in DType))
+    return SYNTAX_HELP.format(presets=", ".join([*PRESETS, *PEER_PRESETS]), dtypes="|".join(d.value for d in DType))
 
 
 def _field_kind(field: str, is_group: bool) -> str | None:
@@ -803,7 +850,7 @@ def parse_format(text: str | KVFormat) -> KVFormat:
     if key is None or value is None:
         raise FormatError(f"{text!r}: a custom format needs both k= and v= (or kv=); {_help()}")
     fmt = KVFormat(key, value, block or 64, sink=sink or 0)
-    for p in PRESETS.values():  # a custom string that spells a preset (its sink included) gets its name
+    for p in (*PRESETS.values(), *PEER_PRESETS.values()):  # a custom string that spells a preset gets its name
         if p == fmt:
             return p
     return fmt

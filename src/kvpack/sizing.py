@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import PRESETS, KVFormat, parse_format, split_formats
+from kvpack.formats import PEER_PRESETS, PRESETS, KVFormat, parse_format, split_formats
 from kvpack.modelspecs import ModelShape
 from kvpack.plans import LayerPlan, is_plan, parse_plan
 
@@ -74,19 +74,21 @@ def parse_formats(items: list[str] | None) -> list[KVFormat | LayerPlan]:
 
     A value is first parsed whole (so a custom string such as ``k=int8,v=int4:g32,block=32`` keeps its
     commas); only if that fails is it split with :func:`~kvpack.formats.split_formats` (``int4,sink=1,int8``
-    is two formats), and then every piece must parse on its own (or be ``all``). ``None`` or empty means all
-    presets.
+    is two formats), and then every piece must parse on its own (or be ``all``: kvpack's presets, or
+    ``peers``: other systems' layouts, :data:`~kvpack.formats.PEER_PRESETS`). ``None`` or empty means all
+    (kvpack's) presets.
     """
     if not items:
         return list(PRESETS.values())
     out: list[KVFormat | LayerPlan] = []
+    groups = {"all": PRESETS, "peers": PEER_PRESETS}
 
     def one(text: str) -> KVFormat | LayerPlan:
         return parse_plan(text) if is_plan(text) else parse_format(text)
 
     for item in items:
-        if item.strip().lower() == "all":
-            out += PRESETS.values()
+        if item.strip().lower() in groups:
+            out += groups[item.strip().lower()].values()
             continue
         try:
             out.append(one(item))
@@ -95,7 +97,7 @@ def parse_formats(items: list[str] | None) -> list[KVFormat | LayerPlan]:
             if len(pieces) < 2:
                 raise  # one (custom) format that does not parse: its own message says why
             for p in pieces:  # a comma list of formats; an unknown one lists the presets
-                out += PRESETS.values() if p.lower() == "all" else [one(p)]
+                out += groups[p.lower()].values() if p.lower() in groups else [one(p)]
     unique: dict[str, KVFormat | LayerPlan] = {}
     for f in out:
         unique.setdefault(f.spec_string(), f)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -242,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
     formats = [parse_format(f.strip()) for f in args.formats.split(",") if f.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     model, tokenizer = load_model(args.model)
+    if "kvpack" not in skip and args.backend in ("auto", "cpu"):
+        from kvpack.kernels.warmup import compile_if_cold
+
+        compile_if_cold(lambda line: print(line, file=sys.stderr, flush=True))
     config = model.config
     ids = _prompt(tokenizer, args.context)
     kv, first, prefill_s = _prefill(model, ids)

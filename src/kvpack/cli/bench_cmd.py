@@ -12,6 +12,7 @@ import json
 import sys
 
 from kvpack.cli.args import int_in, out_file
+from kvpack.cli.compile_note import compile_cpu_kernels
 from kvpack.errors import ConfigError, KVPackError
 
 DECODE_EPILOG = """\
@@ -171,6 +172,7 @@ def _run_decode(args: argparse.Namespace) -> int:
     )
     if not cfg.contexts:
         raise ConfigError("--contexts is empty; give e.g. 8k,32k")
+    compile_cpu_kernels()
     rows, bw = run_sweep(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(rows, bw))
     if args.json:
@@ -218,6 +220,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
                 raise ConfigError(
                     f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format: {e}"
                 ) from None
+    compile_cpu_kernels(args.kernel)  # once here: every engine process then loads them from numba's cache
     rows = bench.run(
         providers, quick=args.quick, kv_mib=args.kv_mib, max_num_seqs=args.max_num_seqs, kernel=args.kernel
     )
@@ -252,6 +255,7 @@ def _run_prefill(args: argparse.Namespace) -> int:
         reference=not (args.no_reference or quick),
         repeats=args.repeats or (PREFILL_QUICK["repeats"] if quick else 3),
     )
+    compile_cpu_kernels()
     rows = run_sweep(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvpack.cli.args import counts, fmt, int_in, out_dir, real_in
+from kvpack.cli.args import count, fmt, int_in, out_dir, real_in
 from kvpack.errors import ConfigError
 
 DEFAULT_OUT = "kvpack-report"
@@ -18,6 +18,19 @@ def _floats(text: str) -> list[float]:
     out = [depth(p) for p in text.split(",") if p.strip()]
     if not out:
         raise argparse.ArgumentTypeError("give at least one depth")
+    return out
+
+
+def _lengths(text: str) -> list[int | str]:
+    """Token counts (``1k,4k,16384``) and ``max``: the model's context window less room for the question."""
+    out: list[int | str] = []
+    for p in (p for p in text.split(",") if p.strip()):
+        try:
+            out.append("max" if p.strip().lower() == "max" else count(p))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e}, or max (the model's context window)") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected token counts like 1024,2k,4k or max, got {text!r}")
     return out
 
 
@@ -52,8 +65,9 @@ def add_parser(subparsers: Any) -> None:
             "Needle-in-a-haystack sweep over context length and depth (the question is a later chunk that reads "
             "the quantized cache), teacher-forced KL / top-1 / perplexity, keys-vs-values attribution, per-layer "
             "sensitivity and speculative-decoding acceptance; writes index.html + results.json and prints a "
-            "summary with a verdict per format. Without arguments: the embedded SmolLM2-135M-Instruct and the "
-            "formats fp16 (baseline), fp8, int8, int4, k4v2, kivi2, int4-g32."
+            "summary with a verdict per format. Without arguments: the embedded SmolLM2-135M-Instruct, the "
+            "built-in prose, and the formats fp16 (baseline), fp8, int8, int4, llamacpp-q4_0, vllm-int4 (llama.cpp's "
+            "and vLLM's 4-bit layouts), k4v2, kivi2, int4-g32."
         ),
     )
     p.add_argument(
@@ -67,7 +81,21 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="comma-separated formats; fields stay with their format (int4,sink=1,int8), or separate with ';'",
     )
-    p.add_argument("--lengths", type=counts, default=None, help="needle context lengths, e.g. 1k,2k,4k")
+    p.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=None,
+        help="needle context lengths, e.g. 1k,2k,4k; 'max' is the model's context window less room for the "
+        "question and answer (1k,4k,max)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="your own text for the haystacks and the teacher-forced text, instead of the built-in prose: plain "
+        "text, or JSONL (.jsonl) with a 'text' field per line; taken in order, never repeated",
+    )
     p.add_argument("--depths", type=_floats, default=None, help="needle depths in [0,1], e.g. 0.1,0.5,0.9")
     p.add_argument(
         "--kinds",
@@ -146,8 +174,12 @@ class _Bars:
             self.bar = None
 
 
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def config_from_args(args: argparse.Namespace):
-    from kvpack.evaluation.suite import EvalConfig, quick_config
+    from kvpack.evaluation.config import EvalConfig, quick_config
 
     over: dict[str, Any] = {
         "model": args.model,
@@ -156,7 +188,7 @@ def config_from_args(args: argparse.Namespace):
         "backend": args.backend,
         "calibration": args.calibration,
     }
-    for key in ("formats", "lengths", "depths", "kinds"):
+    for key in ("formats", "lengths", "depths", "kinds", "text"):
         if getattr(args, key) is not None:
             over[key] = getattr(args, key)
     if args.fidelity_tokens is not None:
@@ -181,7 +213,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpack.evaluation.report import plan_line, summary_table, write_report
+    from kvpack.evaluation.report import plan_line, summary_table, text_line, write_report
     from kvpack.evaluation.suite import run_eval
 
     cfg = config_from_args(args)
@@ -191,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = run_eval(cfg, progress=_Bars(not args.no_progress))
+    results = run_eval(cfg, progress=_Bars(not args.no_progress), notify=_note)
     try:
         page = write_report(results, args.out)
     except OSError as e:
@@ -201,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(summary_table(results))
+        print("\n" + text_line(results["text"]))
         if "plan" in results:
             print("\n" + plan_line(results["plan"]))
         print(f"\nreport: {page}  (results: {page.parent / 'results.json'})")

@@ -72,12 +72,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt is empty; give the text to continue")
     import torch
 
+    from kvpack.cli.compile_note import compile_cpu_kernels
     from kvpack.formats import parse_format
     from kvpack.integrations.transformers import cache_for, cache_kwarg
     from kvpack.models import load_model
 
     fmt = parse_format(args.format)  # a bad format fails before the model loads
     model, tokenizer = load_model(args.model)
+    compile_cpu_kernels(args.backend)  # a first run on this machine: say so before the kernels compile
     if not args.raw and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": args.prompt}]
         inputs = tokenizer.apply_chat_template(

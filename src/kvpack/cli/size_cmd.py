@@ -39,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         dest="formats",
         metavar="F",
-        help="a preset or custom format; repeat, or a comma list of presets (default: all presets)",
+        help="a preset or custom format; repeat, or a comma list of presets (default: all presets; 'peers': "
+        "other systems' layouts, llamacpp-q4_0, vllm-int4, ...)",
     )
     p.add_argument("--gpu-mem", help="GPU memory in GiB (80, 141) or with a unit (80GB, 141GiB)")
     p.add_argument("--weights-gib", help="weights' size in GiB (default: parameter count x 2 bytes)")

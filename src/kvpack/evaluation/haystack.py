@@ -89,6 +89,7 @@ def build_haystack(
     depths: Sequence[float] = (),
     seed: int = 0,
     sentences: Sequence[str] | None = None,
+    shuffle: bool = True,
 ) -> Haystack:
     """Build a document of ``n_tokens`` tokens (within a few) with ``facts[i]`` planted at ``depths[i]``.
 
@@ -100,6 +101,9 @@ def build_haystack(
         depths: one per fact, in ``[0, 1]``: the fraction of the filler prose that comes before the fact.
         seed: chooses where in the corpus the prose starts and shuffles it; the same seed gives the same text.
         sentences: the corpus (default :func:`prose_sentences`).
+        shuffle: shuffle the corpus by ``seed`` and wrap around it as often as the length needs (the
+            built-in prose); ``False`` takes ``sentences`` in order, once, so the document is shorter than
+            ``n_tokens`` when they run out (the caller's text, :mod:`kvpack.evaluation.corpus`).
 
     Raises:
         ConfigError: mismatched facts and depths, a depth outside ``[0, 1]``, or a length the facts alone
@@ -112,8 +116,8 @@ def build_haystack(
     corpus = list(sentences if sentences is not None else prose_sentences())
     if not corpus:
         raise ConfigError("the prose corpus is empty")
-    rng = random.Random(seed)
-    rng.shuffle(corpus)
+    if shuffle:
+        random.Random(seed).shuffle(corpus)
     fact_tokens = sum(_count(tokenize, "\n\n" + f + "\n\n") for f in facts)
     budget = n_tokens - fact_tokens
     if budget <= 0:
@@ -123,7 +127,7 @@ def build_haystack(
     costs: list[int] = []
     used = 0
     i = 0
-    while used < budget:
+    while used < budget and (shuffle or i < len(corpus)):
         s = corpus[i % len(corpus)]
         i += 1
         cost = _count(tokenize, " " + s)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpack.evaluation.verdict import fmt_tokens
 
-__all__ = ["summary_rows", "summary_table", "write_report"]
+__all__ = ["summary_rows", "summary_table", "text_line", "write_report"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -53,6 +53,21 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, str]]:
             }
         )
     return rows
+
+
+def text_line(text: dict[str, Any] | None) -> str:
+    """Where the haystacks and the teacher-forced text came from (``results["text"]``), in one line."""
+    if not text or text.get("source") != "files":
+        name = (text or {}).get("name", "pydoc_data.topics")
+        return f"text: the built-in prose ({name})"
+    files = ", ".join(
+        f"{f['path']} ({f['tokens']:,} tokens" + (f", {f['documents']:,} documents)" if f["format"] == "jsonl" else ")")
+        for f in text["files"]
+    )
+    return (
+        f"text: {files}; {text['tokens']:,} tokens in all: the haystacks are runs of it in its own order, the "
+        "teacher-forced texts windows of it"
+    )
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -244,6 +259,7 @@ def _html(results: dict[str, Any], plots: dict[str, str], plot_note: str) -> str
         f"{model['parameters'] / 1e6:.0f}M parameters ({model['dtype']}); engine <code>{cfg['engine']}</code>; "
         f"seed {cfg['seed']}. The baseline is <code>{cfg['baseline']}</code>; every question is fed as a "
         "separate chunk after the document, so it reads the quantized cache.</p>",
+        f"<p>{html.escape(text_line(results.get('text')))}.</p>",
         "<h2>Verdicts</h2><ul>",
     ]
     for v in results["verdicts"].values():

@@ -1,6 +1,6 @@
 """The whole evaluation: needle sweep, fidelity, attribution, speculative decoding, verdicts -> one dict.
 
-:func:`run_eval` is what ``kvpack eval`` calls. Every number it produces is deterministic for a given
+:func:`run_eval` is what ``kvpack eval`` calls (its configuration: :mod:`kvpack.evaluation.config`). Every number it produces is deterministic for a given
 configuration and seed (greedy decoding, seeded haystacks and needles); wall-clock times live apart, under
 ``results["run"]``.
 """
@@ -12,17 +12,26 @@ import platform
 import random
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 
 from kvpack.errors import ConfigError
 from kvpack.evaluation.attribution import keys_only, layer_sensitivity, values_only
+from kvpack.evaluation.config import (
+    DEFAULT_FORMATS,
+    QUESTION_ROOM,
+    EvalConfig,
+    NullProgress,
+    Progress,
+    quick_config,
+    resolve_lengths,
+)
+from kvpack.evaluation.corpus import Corpus, TextSource, builtin_source, load_text
 from kvpack.evaluation.fidelity import summarize, teacher_forced
-from kvpack.evaluation.haystack import build_haystack
-from kvpack.evaluation.needles import DEFAULT_KINDS, KINDS, make_probe
+from kvpack.evaluation.needles import make_probe
 from kvpack.evaluation.planner import PlanSearch, greedy_plans, search_plan
 from kvpack.evaluation.runner import LoadedModel, Runner
 from kvpack.evaluation.scoring import could_still_match, exact_match, normalize
@@ -31,126 +40,16 @@ from kvpack.evaluation.verdict import compare_needles, verdict
 from kvpack.formats import KVFormat, parse_format
 from kvpack.plans import LayerPlan
 
-__all__ = ["DEFAULT_FORMATS", "EvalConfig", "NullProgress", "Progress", "quick_config", "run_eval"]
-
-DEFAULT_FORMATS = ("fp16", "fp8", "int8", "int4", "k4v2", "kivi2", "int4-g32")
-
-
-@dataclass
-class EvalConfig:
-    """What one evaluation runs (every field lands in ``results.json``).
-
-    Attributes:
-        model: a local Hugging Face folder, or ``None`` for the embedded SmolLM2-135M-Instruct.
-        formats: format names or strings; the first one equal to ``baseline`` is the baseline.
-        baseline: the format others are compared to (``fp16``; itself compared to full precision).
-        lengths: needle document lengths in tokens.
-        depths: needle depths in ``[0, 1]``.
-        kinds: needle kinds (see :mod:`kvpack.evaluation.needles`).
-        seed: seeds every haystack and needle.
-        fidelity_tokens: length of the teacher-forced text (0 skips fidelity and attribution).
-        fidelity_chunk: tokens per chunk of the teacher-forced text.
-        attribution: formats to split into keys-only and values-only runs (those not among ``formats`` are
-            skipped; ``None``: every format but the baseline).
-        sensitivity_tokens: length of the per-layer sensitivity text (0 skips it).
-        speculative_tokens: tokens generated with a draft after each prompt (0 skips speculative decoding).
-        speculative_prompts: how many prompts (documents) the speculative run uses.
-        speculative_context: prompt length of the speculative run.
-        draft_tokens: draft tokens per verification.
-        engine: ``auto``, ``kvpack`` or ``simulate`` (see :class:`~kvpack.evaluation.runner.Runner`).
-        backend: kvpack's decode kernel backend.
-        calibration: a calibration artifact folder (``kvpack calibrate --out DIR``) of this model; formats
-            with calibrated scales (``fp8@static``) need it and get scales recomputed from its statistics.
-        plan_budget: propose the fewest-bits per-layer plan whose mean KL is within this many nats
-            (:mod:`kvpack.evaluation.planner`); ``None`` skips the search.
-        plan_formats: the plan's ladder of formats (sorted narrowest first by their bits).
-        plan_tokens: length of the teacher-forced text each candidate plan is measured on.
-    """
-
-    model: str | None = None
-    formats: list[str] = field(default_factory=lambda: list(DEFAULT_FORMATS))
-    baseline: str = "fp16"
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
-    kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
-    seed: int = 0
-    fidelity_tokens: int = 2048
-    fidelity_chunk: int = 512
-    attribution: list[str] | None = field(default_factory=lambda: ["int4", "kivi2"])
-    sensitivity_tokens: int = 512
-    speculative_tokens: int = 16
-    speculative_prompts: int = 3
-    speculative_context: int = 1024
-    draft_tokens: int = 4
-    engine: str = "auto"
-    backend: str = "auto"
-    calibration: str | None = None
-    plan_budget: float | None = None
-    plan_formats: list[str] = field(default_factory=lambda: ["int4", "int8"])
-    plan_tokens: int = 1024
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming every bad field."""
-        bad = []
-        if not self.formats:
-            bad.append("give at least one format")
-        if self.baseline not in self.formats:
-            bad.append(f"the baseline {self.baseline!r} must be among the formats {self.formats}")
-        if any(n < 64 for n in self.lengths):
-            bad.append(f"lengths must be at least 64 tokens, got {self.lengths}")
-        if any(not 0.0 <= d <= 1.0 for d in self.depths):
-            bad.append(f"depths must lie in [0, 1], got {self.depths}")
-        unknown = [k for k in self.kinds if k not in KINDS]
-        if unknown:
-            bad.append(f"unknown needle kinds {unknown}; kinds are {', '.join(KINDS)}")
-        if self.fidelity_tokens and self.fidelity_tokens < 2:
-            bad.append("fidelity_tokens must be 0 (skip) or at least 2")
-        if self.plan_budget is not None:
-            if not self.plan_budget > 0:
-                bad.append(
-                    f"the plan's KL budget must be a positive number of nats (e.g. 0.005), got {self.plan_budget}"
-                )
-            if len(self.plan_formats) < 2:
-                bad.append(f"a plan needs at least two formats to choose between, got {self.plan_formats}")
-            if self.plan_tokens < 64:
-                bad.append(f"plan_tokens must be at least 64, got {self.plan_tokens}")
-        if bad:
-            raise ConfigError("; ".join(bad))
-
-
-def quick_config(**overrides: Any) -> EvalConfig:
-    """A reduced sweep that finishes in a few minutes: two lengths, one depth, short fidelity text."""
-    cfg = EvalConfig(
-        lengths=[1024, 2048],
-        depths=[0.5],
-        fidelity_tokens=1024,
-        attribution=["int4"],
-        sensitivity_tokens=256,
-        speculative_tokens=16,
-        speculative_prompts=1,
-        speculative_context=512,
-    )
-    return replace(cfg, **overrides)
-
-
-class Progress(Protocol):
-    """What :func:`run_eval` reports progress to (the CLI wraps tqdm)."""
-
-    def start(self, section: str, total: int) -> None: ...
-    def advance(self, n: int = 1) -> None: ...
-    def end(self) -> None: ...
-
-
-class NullProgress:
-    def start(self, section: str, total: int) -> None:
-        return None
-
-    def advance(self, n: int = 1) -> None:
-        return None
-
-    def end(self) -> None:
-        return None
-
+__all__ = [
+    "DEFAULT_FORMATS",
+    "QUESTION_ROOM",
+    "EvalConfig",
+    "NullProgress",
+    "Progress",
+    "quick_config",
+    "resolve_lengths",
+    "run_eval",
+]
 
 # ----------------------------------------------------------------------------------------------------
 
@@ -181,7 +80,12 @@ def _used_bytes(cache: Any) -> int | None:
 
 
 def _needles(
-    runner: Runner, cfg: EvalConfig, formats: dict[str, KVFormat], progress: Progress, measured: dict[str, int]
+    runner: Runner,
+    cfg: EvalConfig,
+    corpus: Corpus,
+    formats: dict[str, KVFormat],
+    progress: Progress,
+    measured: dict[str, int],
 ) -> list[dict[str, Any]]:
     lm = runner.lm
     cases = []
@@ -194,7 +98,7 @@ def _needles(
                 depths = _fact_depths(len(probe.facts), depth)
                 # the document chunk, chat framing included, is `length` tokens
                 frame = len(lm.encode(runner.template.document("")))
-                hay = build_haystack(lm.encode, length - frame, probe.facts, depths, seed=hay_seed)
+                hay = corpus.haystack(length - frame, probe.facts, depths, seed=hay_seed)
                 doc = lm.encode(runner.template.document(hay.text))
                 question = lm.encode(runner.template.question(probe.question, probe.answer_prefix))
                 budget = len(lm.encode(" " + probe.answer)) + 2
@@ -236,11 +140,9 @@ def _needles(
 
 
 def _fidelity(
-    runner: Runner, cfg: EvalConfig, variants: dict[str, KVFormat], progress: Progress
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, variants: dict[str, KVFormat], progress: Progress
 ) -> tuple[dict[str, Any], int]:
-    lm = runner.lm
-    text = build_haystack(lm.encode, cfg.fidelity_tokens + 64, seed=cfg.seed * 1_000_003 + 7).text
-    ids = lm.encode(text)[: cfg.fidelity_tokens]
+    ids = corpus.passage(cfg.fidelity_tokens, seed=cfg.seed * 1_000_003 + 7)
     n_chunks = -(-len(ids) // cfg.fidelity_chunk)
     progress.start("fidelity", n_chunks)
     ref = runner.cache(None, len(ids))
@@ -250,21 +152,19 @@ def _fidelity(
     return {name: summarize(r) for name, r in res.items()}, len(ids)
 
 
-def _plan(runner: Runner, cfg: EvalConfig, progress: Progress) -> PlanSearch:
+def _plan(runner: Runner, cfg: EvalConfig, corpus: Corpus, progress: Progress) -> PlanSearch:
     """The per-layer plan search (:mod:`kvpack.evaluation.planner`): sensitivity of each ladder format on the
-    sensitivity text, then candidate plans measured through the real cache on ``plan_tokens`` of prose."""
+    sensitivity text, then candidate plans measured through the real cache on ``plan_tokens`` of text."""
     lm = runner.lm
     kv_heads, head_dim = lm.kv_heads, lm.head_dim
     ladder = sorted((parse_format(f) for f in cfg.plan_formats), key=lambda f: f.bits_per_element(kv_heads, head_dim))
-    text = build_haystack(lm.encode, max(cfg.sensitivity_tokens, 256) + 64, seed=cfg.seed * 1_000_003 + 13).text
-    sens_ids = lm.encode(text)[: max(cfg.sensitivity_tokens, 256)]
+    sens_ids = corpus.passage(max(cfg.sensitivity_tokens, 256), seed=cfg.seed * 1_000_003 + 13)
     progress.start("plan: per-layer errors", 1)
     errs = layer_sensitivity(runner, sens_ids, {f.name: f for f in ladder})
     progress.advance()
     progress.end()
     plans = greedy_plans(ladder, [errs[f.name] for f in ladder])
-    text = build_haystack(lm.encode, cfg.plan_tokens + 64, seed=cfg.seed * 1_000_003 + 7).text
-    ids = lm.encode(text)[: cfg.plan_tokens]
+    ids = corpus.passage(cfg.plan_tokens, seed=cfg.seed * 1_000_003 + 7)
     progress.start("plan: candidates", max(1, math.ceil(math.log2(len(plans))) + 2))
 
     def kl_of(p: LayerPlan) -> float:
@@ -284,7 +184,7 @@ def _plan(runner: Runner, cfg: EvalConfig, progress: Progress) -> PlanSearch:
 
 
 def _speculative(
-    runner: Runner, cfg: EvalConfig, formats: dict[str, KVFormat], progress: Progress
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, KVFormat], progress: Progress
 ) -> dict[str, dict[str, Any]]:
     """Assisted greedy generation after several prompts (a document and a request to summarise it).
 
@@ -298,7 +198,7 @@ def _speculative(
     totals = {name: {"proposed": 0, "accepted": 0, "target_calls": 0, "tokens": 0, "texts": []} for name in formats}
     for p in range(cfg.speculative_prompts):
         seed = cfg.seed * 1_000_003 + 11 + 1000 * p
-        text = build_haystack(lm.encode, cfg.speculative_context - frame, seed=seed).text
+        text = corpus.haystack(cfg.speculative_context - frame, seed=seed).text
         doc = lm.encode(runner.template.document(text))
         prompt = doc + question
         pre = runner.prefill(doc)
@@ -333,7 +233,7 @@ def _speculative(
     return out
 
 
-def _environment() -> dict[str, str]:
+def _environment(source: TextSource) -> dict[str, str]:
     import numpy
 
     import kvpack
@@ -344,7 +244,7 @@ def _environment() -> dict[str, str]:
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "platform": platform.platform(),
-        "haystack_corpus": f"pydoc_data.topics of Python {platform.python_version()}",
+        "haystack_corpus": source.name,
     }
     try:
         import transformers
@@ -374,7 +274,12 @@ def _format_facts(formats: dict[str, KVFormat], lm: LoadedModel, lengths: Sequen
 
 
 def run_eval(
-    cfg: EvalConfig, lm: LoadedModel | None = None, progress: Progress | None = None, **runner_kw: Any
+    cfg: EvalConfig,
+    lm: LoadedModel | None = None,
+    progress: Progress | None = None,
+    *,
+    notify: Callable[[str], None] | None = None,
+    **runner_kw: Any,
 ) -> dict:
     """Run the evaluation ``cfg`` describes and return every result as a JSON-ready dict.
 
@@ -386,6 +291,10 @@ def run_eval(
         cfg: the configuration.
         lm: an already loaded model (default: load ``cfg.model``).
         progress: progress sink (default: silent).
+        notify: one-line messages for the user before the sweep (``kvpack eval`` prints them on stderr): the
+            CPU kernels' first compile on this machine (compiled up front, :mod:`kvpack.kernels.warmup`) and
+            the time estimate from a probe of this machine's speed (:mod:`kvpack.evaluation.estimate`, also
+            in ``results["run"]["estimate"]``). Without it neither the compile note nor the probe runs.
         runner_kw: passed to :class:`Runner` (tests pass ``zero_keys_for=[name]`` to plant a broken format).
     """
     from kvpack.calibration.static import CalibrationDriftWarning
@@ -393,7 +302,7 @@ def run_eval(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CalibrationDriftWarning)
         try:
-            results = _run_eval(cfg, lm, progress, **runner_kw)
+            results = _run_eval(cfg, lm, progress, notify, **runner_kw)
         finally:
             others = [w for w in caught if not issubclass(w.category, CalibrationDriftWarning)]
     for w in others:
@@ -404,18 +313,56 @@ def run_eval(
     return results
 
 
-def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None, **runner_kw: Any) -> dict:
+def _attribution_names(cfg: EvalConfig, formats: dict[str, KVFormat]) -> list[str]:
+    names = [n for n in formats if n != cfg.baseline]
+    return names if cfg.attribution is None else [n for n in cfg.attribution if n in names]
+
+
+def _text_needs(cfg: EvalConfig) -> list[tuple[str, int]]:
+    """What each part of the sweep takes of the user's text, in tokens (``Corpus.check``)."""
+    needs = []
+    if cfg.lengths and cfg.depths and cfg.kinds:
+        needs.append((f"--lengths {max(cfg.lengths)}", max(cfg.lengths)))
+    if cfg.fidelity_tokens:
+        needs.append((f"--fidelity-tokens {cfg.fidelity_tokens}", cfg.fidelity_tokens))
+    if cfg.sensitivity_tokens or cfg.plan_budget is not None:
+        n = max(cfg.sensitivity_tokens, 256) if cfg.plan_budget is not None else cfg.sensitivity_tokens
+        needs.append(("the per-layer sensitivity text", n))
+    if cfg.plan_budget is not None:
+        needs.append(("the plan search's text", cfg.plan_tokens))
+    if cfg.speculative_tokens:
+        needs.append(("the speculative prompts (--speculative-tokens 0 skips them)", cfg.speculative_context))
+    return needs
+
+
+def _on_cpu_kernels(runner: Runner) -> bool:
+    """Whether the run's attention goes through the fused CPU kernels (numba)."""
+    if runner.engine != "kvpack" or runner.backend not in ("auto", "cpu"):
+        return False
+    return next(runner.lm.model.parameters()).device.type == "cpu"
+
+
+def _run_eval(
+    cfg: EvalConfig,
+    lm: LoadedModel | None,
+    progress: Progress | None,
+    notify: Callable[[str], None] | None,
+    **runner_kw: Any,
+) -> dict:
     cfg.check()
     progress = progress or NullProgress()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    source = load_text(cfg.text) if cfg.text is not None else builtin_source()  # bad files fail before the load
     if lm is None:
         from kvpack.evaluation.runner import load
 
         lm = load(cfg.model)
     timings["load"] = time.perf_counter() - t0
+    requested = list(cfg.lengths)
+    cfg = replace(cfg, lengths=resolve_lengths(cfg.lengths, lm.max_context))
     formats = {name: parse_format(name) for name in cfg.formats}
     for fmt in formats.values():
         fmt.check(lm.head_dim)
@@ -430,15 +377,23 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
             f"formats {static} take calibrated scales; run `kvpack calibrate --out DIR` and pass --calibration DIR"
         )
     runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, calibration=artifact, **runner_kw)
-    too_long = [n for n in cfg.lengths if lm.max_context and n + 64 > lm.max_context]
+    too_long = [n for n in cfg.lengths if lm.max_context and n + QUESTION_ROOM > lm.max_context]
     if too_long:
         raise ConfigError(
             f"lengths {too_long} do not fit the model's context of {lm.max_context} tokens (question and answer "
-            "need room too); choose shorter --lengths"
+            f"need room too); choose shorter --lengths (at most {lm.max_context - QUESTION_ROOM}, or 'max')"
         )
+    t = time.perf_counter()
+    corpus = Corpus(source, lm.encode)
+    corpus.check(_text_needs(cfg))
+    timings["text"] = time.perf_counter() - t
+    config = asdict(cfg) | {"engine": runner.engine}
+    if requested != cfg.lengths:
+        config["lengths_requested"] = requested
     results: dict[str, Any] = {
-        "config": asdict(cfg) | {"engine": runner.engine},
-        "environment": _environment(),
+        "config": config,
+        "text": corpus.describe(),
+        "environment": _environment(source),
         "model": {
             "name": lm.name,
             "layers": lm.num_layers,
@@ -459,9 +414,23 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
             "kvpack_version": artifact.kvpack_version,
         }
 
+    run_notes: dict[str, Any] = {}
+    if notify is not None:
+        if _on_cpu_kernels(runner):
+            from kvpack.kernels.warmup import compile_if_cold
+
+            compiled = compile_if_cold(notify)
+            if compiled is not None:
+                run_notes["compile_seconds"] = compiled
+        t = time.perf_counter()
+        run_notes["estimate"] = _estimate(runner, cfg, corpus, formats, notify)
+        timings["probe"] = time.perf_counter() - t
+
     measured: dict[str, int] = {}
     t = time.perf_counter()
-    cases = _needles(runner, cfg, formats, progress, measured) if cfg.lengths and cfg.depths and cfg.kinds else []
+    cases = (
+        _needles(runner, cfg, corpus, formats, progress, measured) if cfg.lengths and cfg.depths and cfg.kinds else []
+    )
     timings["needles"] = time.perf_counter() - t
     for name, used in measured.items():
         results["formats"][name]["measured_cache_bytes"] = used
@@ -471,16 +440,14 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
     fid: dict[str, Any] = {}
     attribution: dict[str, Any] = {}
     if cfg.fidelity_tokens:
-        attr_names = [n for n in formats if n != cfg.baseline]
-        if cfg.attribution is not None:
-            attr_names = [n for n in cfg.attribution if n in attr_names]
+        attr_names = _attribution_names(cfg, formats)
         variants = dict(formats)
         for name in attr_names:
             fmt = formats[name]
             variants[f"{name} keys only"] = keys_only(fmt)
             variants[f"{name} values only"] = values_only(fmt)
         t = time.perf_counter()
-        fid, n_tokens = _fidelity(runner, cfg, variants, progress)
+        fid, n_tokens = _fidelity(runner, cfg, corpus, variants, progress)
         timings["fidelity"] = time.perf_counter() - t
         attribution["fidelity"] = {
             name: {
@@ -502,8 +469,7 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
         }
     if cfg.sensitivity_tokens:
         t = time.perf_counter()
-        text = build_haystack(lm.encode, cfg.sensitivity_tokens + 64, seed=cfg.seed * 1_000_003 + 13).text
-        ids = lm.encode(text)[: cfg.sensitivity_tokens]
+        ids = corpus.passage(cfg.sensitivity_tokens, seed=cfg.seed * 1_000_003 + 13)
         progress.start("per-layer sensitivity", 1)
         attribution["layer_sensitivity"] = {
             "tokens": len(ids),
@@ -516,11 +482,11 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
     results["attribution"] = attribution
     if cfg.plan_budget is not None:
         t = time.perf_counter()
-        results["plan"] = _plan(runner, cfg, progress).as_dict()
+        results["plan"] = _plan(runner, cfg, corpus, progress).as_dict()
         timings["plan"] = time.perf_counter() - t
     if cfg.speculative_tokens:
         t = time.perf_counter()
-        results["speculative"] = _speculative(runner, cfg, formats, progress)
+        results["speculative"] = _speculative(runner, cfg, corpus, formats, progress)
         timings["speculative"] = time.perf_counter() - t
 
     max_len = max(cfg.lengths) if cases else None
@@ -537,5 +503,31 @@ def _run_eval(cfg: EvalConfig, lm: LoadedModel | None, progress: Progress | None
         # CPU seconds of this process: with one thread, what the run takes on an idle core (wall time on a
         # shared machine includes waiting for other work)
         "cpu_seconds": time.process_time() - cpu0,
+        **run_notes,
     }
     return results
+
+
+def _estimate(
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, KVFormat], notify: Callable[[str], None]
+) -> dict[str, Any]:
+    """Probe this machine's speed, tell ``notify`` how long the sweep will take, return it for ``results``."""
+    from kvpack.evaluation.estimate import estimate, probe
+
+    n = min(512, corpus.tokens or 512)
+    if n < 128:  # too little text to time anything on (the sweep runs on even less)
+        return {}
+    ids = corpus.passage(n, seed=cfg.seed * 1_000_003 + 17)
+    quantized = [f for name, f in formats.items() if name != cfg.baseline] or list(formats.values())
+    fmt = quantized[0]
+    p = probe(
+        runner,
+        ids,
+        fmt,
+        document=lambda n: corpus.haystack(n, seed=cfg.seed * 1_000_003 + 19),
+        sensitivity=lambda ids: layer_sensitivity(runner, ids, {fmt.name: fmt}) if not fmt.is_passthrough else None,
+    )
+    variants = len(formats) + 2 * len(_attribution_names(cfg, formats)) if cfg.fidelity_tokens else 0
+    est = estimate(cfg, p, len(formats), variants, runner.lm.num_layers)
+    notify(f"kvpack eval: {est.line()}")
+    return est.as_dict()
