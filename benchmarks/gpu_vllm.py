@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvpack.bench.vllm import make_row, provider_job, table, workload
+from kvpack.fsutil import atomic_write_text
 from kvpack.integrations.vllm.engine import run_engine
 
 HERE = Path(__file__).resolve().parent
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         result["elapsed_s"] = time.monotonic() - t0
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        atomic_write_text(out, json.dumps(result, indent=1))  # rewritten after every row: never a torn file
 
     rows, reference = [], None
     with tempfile.TemporaryDirectory(prefix="kvpack-llama3-8b-shape-") as tmp:
