@@ -13,8 +13,6 @@ from kvpack.calibration import (
     KVObserver,
     LayerScales,
     count_clipped,
-    dequantize_with_outliers,
-    quantize_with_outliers,
     require_static_scales,
     seal_time_channels,
     seal_with_static,
@@ -23,6 +21,7 @@ from kvpack.calibration import (
 )
 from kvpack.errors import CalibrationError, FormatError, NonFiniteError, ShapeError
 from kvpack.formats import parse_format
+from kvpack.outliers import dequantize_outliers, quantize_outliers
 from kvpack.quant import choose_qparams, decode_scale, dequantize, quantize
 from kvpack.testing import assert_bitexact, realistic_keys, snr_db
 
@@ -215,8 +214,8 @@ def test_outlier_channels_are_found_from_calibration_and_at_seal_time():
 def test_outliers_kept_as_residuals_reconstruct_closely_and_help_per_token_keys(text):
     x, chans = _planted()
     spec = _key_spec(text)
-    oq = quantize_with_outliers(x, spec, chans)
-    y = dequantize_with_outliers(oq)
+    oq = quantize_outliers(x, spec, chans)
+    y = dequantize_outliers(oq)
     mask = torch.zeros(H, D, dtype=torch.bool)
     mask.scatter_(-1, chans, True)
     full = mask[None, :, None, :].expand_as(x)
@@ -236,7 +235,7 @@ def test_outliers_kept_as_residuals_reconstruct_closely_and_help_per_token_keys(
     payload = spec.payload_bytes(H, B, D) * n
     scales = spec.scale_bytes(H, B, D) * n
     assert oq.nbytes() == payload + scales + n * H * B * k * 2 + n * H * k
-    per_block = quantize_with_outliers(x, spec, seal_time_channels(x, k))
+    per_block = quantize_outliers(x, spec, seal_time_channels(x, k))
     assert per_block.nbytes() == oq.nbytes()
     assert torch.equal(per_block.idx.long(), oq.idx.long())  # the planted channels are each block's largest
 
@@ -244,7 +243,7 @@ def test_outliers_kept_as_residuals_reconstruct_closely_and_help_per_token_keys(
 def test_outliers_reject_bad_channels():
     x, chans = _planted()
     with pytest.raises(ShapeError):
-        quantize_with_outliers(x, _key_spec("int4:g32:asym"), chans[:1])
+        quantize_outliers(x, _key_spec("int4:g32:asym"), chans[:1])
 
 
 def test_default_range_source_follows_key_symmetry():

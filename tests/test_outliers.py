@@ -11,18 +11,19 @@ import torch
 from kvpack import kernels
 from kvpack.cache import PagedKVCache
 from kvpack.calibration import Artifact, KVObserver
-from kvpack.calibration.outliers import artifact_outlier_channels, select_outlier_channels
 from kvpack.errors import CalibrationError, FormatError, NonFiniteError, ShapeError
 from kvpack.formats import PRESETS, DType, KVFormat, PerHead, QuantSpec, parse_format
 from kvpack.kernels.reference import dense_history, paged_attention_reference
 from kvpack.outliers import (
     apply_residual,
+    artifact_outlier_channels,
     dequantize_outliers,
     index_dtype,
     neutral_fill,
     outlier_mask,
     quantize_outliers,
     seal_time_channels,
+    select_outlier_channels,
 )
 from kvpack.quant import dequantize, quantize
 from kvpack.testing import assert_bitexact, assert_close, cpu_kernel_tolerance, random_paged_kv, realistic_keys, snr_db

@@ -16,7 +16,7 @@ from kvpack.evaluation.planner import greedy_plans, plan_from_layers, search_pla
 from kvpack.formats import parse_format, split_formats
 from kvpack.integrations.vllm.config import settings_from
 from kvpack.plans import LayerPlan, is_plan, layer_formats, parse_plan
-from kvpack.sizing import ModelShape, parse_formats, plan
+from kvpack.sizing import ModelShape, estimate, parse_formats
 
 INT4, INT8, K4V2 = (parse_format(n) for n in ("int4", "int8", "k4v2"))
 
@@ -71,7 +71,7 @@ def test_plans_stay_whole_in_format_lists_and_sizing():
         "fp8",
     ]
     shape = ModelShape("m", layers=8, kv_heads=8, head_dim=128)
-    rows = plan(shape, 8192, 4, parse_formats(["int4,int8,int4/int8[0-7],int4/int8[0,5-6]"])).rows
+    rows = estimate(shape, 8192, 4, parse_formats(["int4,int8,int4/int8[0-7],int4/int8[0,5-6]"])).rows
     by = {r.format.name: r for r in rows}
     # a plan with every layer int8 costs exactly int8
     assert by["int4/int8[0-7]"].total_bytes == by["int8"].total_bytes
@@ -80,7 +80,7 @@ def test_plans_stay_whole_in_format_lists_and_sizing():
         mixed.total_bytes == (INT8.bytes_for_tokens(8192, 8, 128, 3, 2) + INT4.bytes_for_tokens(8192, 8, 128, 5, 2)) * 4
     )
     assert by["int4"].total_bytes < mixed.total_bytes < by["int8"].total_bytes
-    budget = plan(shape, 8192, 4, parse_formats(["int4/int8[0,5-6]"]), gpu_mem_bytes=2**30, weights_bytes=0)
+    budget = estimate(shape, 8192, 4, parse_formats(["int4/int8[0,5-6]"]), gpu_mem_bytes=2**30, weights_bytes=0)
     row = budget.rows[0]
     per_token = lambda n: INT8.bytes_for_tokens(n, 8, 128, 3, 2) + INT4.bytes_for_tokens(n, 8, 128, 5, 2)  # noqa: E731
     assert per_token(row.max_context) <= 2**30 // 4 < per_token(row.max_context + 64)

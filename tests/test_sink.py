@@ -20,7 +20,7 @@ from kvpack.formats import DEFAULT_SINK, PRESETS, parse_format
 from kvpack.kernels import reference
 from kvpack.quant import dequantize, quantize
 from kvpack.rotation import rotate
-from kvpack.sizing import plan
+from kvpack.sizing import estimate
 from kvpack.testing import assert_bitexact, assert_close, random_paged_kv, realistic_keys
 
 H, D, B = 2, 32, 8
@@ -97,14 +97,14 @@ def test_size_shows_the_sink_bytes():
     from kvpack.modelspecs import ModelShape
 
     m = ModelShape("toy", layers=4, kv_heads=2, head_dim=64)
-    p = plan(m, 1000, 2, [parse_format("int4,sink=0"), parse_format("int4,sink=2")])
+    p = estimate(m, 1000, 2, [parse_format("int4,sink=0"), parse_format("int4,sink=2")])
     plain, sink = p.rows
     assert sink.bytes_per_sequence - plain.bytes_per_sequence == 4 * 2 * 2 * 2 * 64 * 2 == sink.sink_bytes_per_sequence
     assert sink.as_dict()["sink_bytes_per_sequence"] == 4096 and "sink" not in plain.as_dict()
     text = render(p)
     assert "sink: int4,sink=2 also keep each sequence's first 2 positions (the attention sink) in fp16, 4,096 " in text
     assert "int4,sink=0" not in text.split("sink:")[1]
-    p = plan(m, 1000, 2, [parse_format("int4"), parse_format("int8"), parse_format("fp16")])
+    p = estimate(m, 1000, 2, [parse_format("int4"), parse_format("int8"), parse_format("fp16")])
     lines = [ln for ln in render(p).splitlines() if ln.startswith("sink:")]
     assert lines == [
         "sink: int4, int8 also keep each sequence's first position (the attention sink) in fp16, "

@@ -14,7 +14,7 @@ from kvpack.cli.main import main
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import PRESETS, parse_format
 from kvpack.modelspecs import KNOWN_MODELS, ModelShape, estimate_params, load_model_shape, shape_from_config
-from kvpack.sizing import GIB, max_batch, max_context, parse_count, parse_formats, plan, shared_prefix_bytes
+from kvpack.sizing import GIB, estimate, max_batch, max_context, parse_count, parse_formats, shared_prefix_bytes
 
 SHAPE = ["--layers", "80", "--kv-heads", "8", "--head-dim", "128"]
 SMOLLM2_135M_CONFIG = {  # the published config.json of SmolLM2-135M (the fields that matter here)
@@ -90,7 +90,7 @@ def test_json_has_every_format_and_the_inputs(capsys) -> None:
 def test_tail_is_counted_honestly() -> None:
     # int8 at 8k: 128 sealed blocks per layer plus one fp16 block of K and V per layer (the tail) plus the
     # preset's sink=1, one fp16 position of K and V per layer
-    p = plan(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[PRESETS["int8"]])
+    p = estimate(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[PRESETS["int8"]])
     (row,) = p.rows
     tail = 2 * 8 * 64 * 128 * 2
     sink = 2 * 8 * 1 * 128 * 2
@@ -98,10 +98,10 @@ def test_tail_is_counted_honestly() -> None:
     assert row.sink_bytes_per_sequence == 80 * sink
     assert row.total_bytes > row.bytes_per_token * 8192  # the pure per-token rate leaves the tail out
     # a context one token short of a block boundary: 127 sealed blocks, 63 tokens in the tail
-    p = plan(ModelShape("m", 80, 8, 128), context=8191, batch=3, formats=[PRESETS["int8"]])
+    p = estimate(ModelShape("m", 80, 8, 128), context=8191, batch=3, formats=[PRESETS["int8"]])
     assert p.rows[0].total_bytes == 3 * 80 * (127 * 134_144 + tail + sink)
     # without the sink: blocks and tail only
-    p = plan(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[parse_format("int8,sink=0")])
+    p = estimate(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[parse_format("int8,sink=0")])
     assert p.rows[0].total_bytes == 80 * (128 * 134_144 + tail) and p.rows[0].sink_bytes_per_sequence == 0
 
 

@@ -580,7 +580,8 @@ def _same(spec: QuantSpec, name: str) -> KVFormat:
     return KVFormat(spec, spec, 64, name=name)
 
 
-PRESETS: dict[str, KVFormat] = {
+# The presets' layouts; PRESETS (below) adds the attention sink to the quantized ones.
+_LAYOUTS: dict[str, KVFormat] = {
     "fp16": _same(_spec(DType.FP16), "fp16"),
     "bf16": _same(_spec(DType.BF16), "bf16"),
     # fp8 (e4m3) keys centred per channel and block on the midpoint of their range, then stored rotated by a
@@ -626,8 +627,8 @@ PRESETS: dict[str, KVFormat] = {
 # needle plain int4 lost at 4k (docs/quality.md). Block 0 is sealed exactly as without it; `<preset>,sink=0`
 # opts out.
 DEFAULT_SINK = 1
-PRESETS = {
-    n: f if f.is_passthrough else KVFormat(f.key, f.value, f.block_size, n, DEFAULT_SINK) for n, f in PRESETS.items()
+PRESETS: dict[str, KVFormat] = {
+    n: f if f.is_passthrough else KVFormat(f.key, f.value, f.block_size, n, DEFAULT_SINK) for n, f in _LAYOUTS.items()
 }
 
 

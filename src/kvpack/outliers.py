@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpack.errors import ShapeError
+from kvpack.errors import CalibrationError, ShapeError
 from kvpack.formats import QuantSpec
 from kvpack.quant import QuantizedTensor, _raise_non_finite, choose_qparams, dequantize, quantize
 
 __all__ = [
     "OutlierBlocks",
     "apply_residual",
+    "artifact_outlier_channels",
     "check_channels",
     "dequantize_outliers",
     "fill_outliers",
@@ -43,6 +44,7 @@ __all__ = [
     "quantize_kept",
     "quantize_outliers",
     "seal_time_channels",
+    "select_outlier_channels",
 ]
 
 
@@ -314,3 +316,49 @@ def quantize_outliers(
 def dequantize_outliers(ob: OutlierBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reconstruct ``[..., H, T, D]``: ``dequantize(payload)`` with the residuals added at the kept channels."""
     return apply_residual(dequantize(ob.qt, torch.float32), ob.residual, ob.idx).to(dtype)
+
+
+# Calibrated channels: the top-k per layer and head of a calibration artifact, copied into every sealed block.
+
+
+def select_outlier_channels(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest channels per head, from calibration.
+
+    Args:
+        magnitude: ``[kv_heads, head_dim]`` float, a per-channel range (abs-max or a percentile).
+        k: channels kept per head, ``0 <= k <= head_dim``.
+
+    Returns:
+        ``[kv_heads, k]`` int64 channel indices, ascending within each head.
+    """
+    if magnitude.dim() != 2:
+        raise ShapeError(f"magnitude must be [kv_heads, head_dim], got {tuple(magnitude.shape)}")
+    if not 0 <= k <= magnitude.shape[-1]:
+        raise ShapeError(f"k must be in [0, head_dim={magnitude.shape[-1]}], got {k}")
+    return magnitude.float().topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def artifact_outlier_channels(artifact, k: int, num_layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The calibrated outlier channels of every layer: ``[num_layers, kv_heads, k]`` int64, ascending.
+
+    Ranks channels by the artifact's observed key abs-max (``keys.absmax``, after RoPE).
+
+    Args:
+        artifact: a :class:`~kvpack.calibration.Artifact`.
+        k: channels kept per kv head.
+        num_layers, kv_heads, head_dim: the cache geometry the artifact must have been made for.
+
+    Raises:
+        CalibrationError: the artifact's key statistics have another shape (another model), or hold
+            non-finite values.
+    """
+    mag = artifact.keys.absmax
+    want = (num_layers, kv_heads, head_dim)
+    if tuple(mag.shape) != want:
+        raise CalibrationError(
+            f"the calibration artifact's key statistics have shape {tuple(mag.shape)}, this cache needs "
+            f"layers x kv_heads x head_dim = {want}: the artifact was made for another model; recalibrate"
+        )
+    if not bool(torch.isfinite(mag).all()):
+        raise CalibrationError("the calibration artifact's key abs-max holds non-finite values; recalibrate")
+    return torch.stack([select_outlier_channels(mag[layer], k) for layer in range(num_layers)])

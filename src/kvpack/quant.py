@@ -44,6 +44,7 @@ __all__ = [
     "quantize",
     "saturating_cast",
     "scale_torch_dtype",
+    "snr_db",
     "unpack_bits",
 ]
 
@@ -376,3 +377,13 @@ def unpack_bits(p: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     parts = [(p >> (j * bits)) & mask for j in range(per)]
     return torch.stack(parts, dim=-1).reshape(*p.shape[:-1], p.shape[-1] * per)[..., :d]
+
+
+def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``approx`` against ``reference`` (same shape, any float dtype) in dB; inf when
+    identical. The measure of one quantize -> dequantize round trip."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).mean()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).mean() / noise))

@@ -22,14 +22,14 @@ from kvpack.plans import LayerPlan, is_plan, parse_plan
 __all__ = [
     "GIB",
     "FormatRow",
-    "SizePlan",
+    "SizeEstimate",
     "VllmPage",
     "advice",
+    "estimate",
     "max_batch",
     "max_context",
     "parse_count",
     "parse_formats",
-    "plan",
     "shared_prefix_bytes",
     "vllm_capacity_tokens",
     "vllm_page",
@@ -185,7 +185,7 @@ class FormatRow:
 
 
 @dataclass
-class SizePlan:
+class SizeEstimate:
     """Inputs and results of one ``kvpack size`` run."""
 
     model: ModelShape
@@ -248,7 +248,7 @@ class VllmSizing:
                 "default_tokens": self.default_tokens}  # fmt: skip
 
 
-def plan(
+def estimate(
     model: ModelShape,
     context: int,
     batch: int = 1,
@@ -258,7 +258,7 @@ def plan(
     shared_prefix: int | None = None,
     skip_invalid: bool = False,
     vllm: tuple[int, int, int] | None = None,
-) -> SizePlan:
+) -> SizeEstimate:
     """Size the cache of ``batch`` sequences of ``context`` tokens in each format.
 
     Args:
@@ -293,7 +293,7 @@ def plan(
 
     fp16 = PRESETS["fp16"]
     fp16_total = batch * fp16.bytes_for_tokens(context, h, d, n_layers)
-    result = SizePlan(model, context, batch, [], fp16_total, weights_bytes, gpu_mem_bytes, shared_prefix)
+    result = SizeEstimate(model, context, batch, [], fp16_total, weights_bytes, gpu_mem_bytes, shared_prefix)
     if shared_prefix is not None:
         result.fp16_shared_prefix_total_bytes = shared_prefix_bytes(fp16, context, batch, shared_prefix, h, d, n_layers)
     budget = result.cache_budget_bytes
@@ -380,7 +380,7 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB" if abs(n) >= GIB / 10 else f"{n / 1024**2:,.2f} MiB"
 
 
-def advice(p: SizePlan) -> list[str]:
+def advice(p: SizeEstimate) -> list[str]:
     """Plain-language lines about whether the cache is the thing to shrink."""
     lines: list[str] = []
     m = p.model

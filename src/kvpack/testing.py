@@ -12,7 +12,7 @@ import torch
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.kernels.views import PagedKV
 from kvpack.outliers import index_dtype, quantize_outliers
-from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype
+from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype, snr_db
 from kvpack.rotation import key_rotation, rotate, unrotate
 
 __all__ = [
@@ -40,15 +40,6 @@ SNR_FLOOR_DB: dict[str, float] = {
     "int2:channel:asym:fp16": 5.0,
     "int2:g32:asym:fp16": 3.0,  # measured 5.1-5.2 dB: 5.0 sat within noise of it
 }
-
-
-def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-noise ratio of ``approx`` against ``reference`` in dB (inf when identical)."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).mean()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(ref.pow(2).mean() / noise))
 
 
 def assert_bitexact(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:

@@ -140,7 +140,7 @@ def resolve_outlier_channels(
     """
     if not fmt.has_outliers or not isinstance(calibration, Artifact):
         return None
-    from kvpack.calibration.outliers import artifact_outlier_channels
+    from kvpack.outliers import artifact_outlier_channels
 
     return artifact_outlier_channels(calibration, fmt.key.outliers, num_layers, kv_heads, head_dim).to(device)
 

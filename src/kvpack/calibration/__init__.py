@@ -13,13 +13,6 @@ its functions).
 from kvpack.calibration.artifact import Artifact, CalibratedScales, load_artifact
 from kvpack.calibration.fingerprint import diff_fingerprints, fingerprint_from_config
 from kvpack.calibration.observer import KVObserver, RoleStats, observing_cache
-from kvpack.calibration.outliers import (
-    OutlierQuantized,
-    dequantize_with_outliers,
-    quantize_with_outliers,
-    seal_time_channels,
-    select_outlier_channels,
-)
 from kvpack.calibration.static import (
     CalibrationDriftWarning,
     ClipMonitor,
@@ -31,6 +24,7 @@ from kvpack.calibration.static import (
     seal_with_static,
     static_scales,
 )
+from kvpack.outliers import artifact_outlier_channels, seal_time_channels, select_outlier_channels
 
 __all__ = [
     "Artifact",
@@ -39,17 +33,15 @@ __all__ = [
     "ClipMonitor",
     "KVObserver",
     "LayerScales",
-    "OutlierQuantized",
     "RoleStats",
     "StaticKeyScales",
     "StaticScales",
+    "artifact_outlier_channels",
     "count_clipped",
-    "dequantize_with_outliers",
     "diff_fingerprints",
     "fingerprint_from_config",
     "load_artifact",
     "observing_cache",
-    "quantize_with_outliers",
     "require_static_scales",
     "seal_time_channels",
     "seal_with_static",

@@ -27,15 +27,10 @@ from typing import Any
 import torch
 
 from kvpack.calibration.observer import KVObserver, RoleStats
-from kvpack.calibration.outliers import (
-    dequantize_with_outliers,
-    quantize_with_outliers,
-    select_outlier_channels,
-)
 from kvpack.calibration.static import seal_with_static, static_scales
 from kvpack.formats import parse_format
-from kvpack.quant import dequantize, quantize
-from kvpack.testing import snr_db
+from kvpack.outliers import dequantize_outliers, quantize_outliers, select_outlier_channels
+from kvpack.quant import dequantize, quantize, snr_db
 
 __all__ = ["Variant", "capture_qkv", "evaluate_variants", "main", "standard_variants"]
 
@@ -132,8 +127,8 @@ def _outliers(spec_text: str, k: int, keys: RoleStats | None) -> Callable:
     def run(x: torch.Tensor, layer: int) -> tuple[torch.Tensor, int, int]:
         # calibrated channels are copied into every block, as the cache stores them; None: chosen per block
         ch = None if keys is None else select_outlier_channels(keys.absmax[layer], k)
-        oq = quantize_with_outliers(x, spec, ch)
-        return dequantize_with_outliers(oq), oq.nbytes(), 0
+        oq = quantize_outliers(x, spec, ch)
+        return dequantize_outliers(oq), oq.nbytes(), 0
 
     return run
 

@@ -114,7 +114,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 
 def render(p) -> str:
-    """The plain-text report of a :class:`kvpack.sizing.SizePlan`."""
+    """The plain-text report of a :class:`kvpack.sizing.SizeEstimate`."""
     from kvpack.sizing import GIB
 
     m = p.model
@@ -206,7 +206,7 @@ def _vllm(args: argparse.Namespace) -> tuple[int, int, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpack.sizing import parse_count, parse_formats, plan
+    from kvpack.sizing import estimate, parse_count, parse_formats
 
     if args.list_models:
         print(list_models())
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         formats = parse_formats(args.formats)
     except FormatError as e:
         raise ConfigError(f"--format: {e}") from None
-    result = plan(
+    result = estimate(
         model,
         context,
         batch,
