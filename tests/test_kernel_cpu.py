@@ -44,6 +44,7 @@ import kvpack.kernels as K
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import PRESETS, ScaleDType, parse_format
 from kvpack.kernels import cpu, reference
+from kvpack.kernels.lowering import scale_kind
 from kvpack.testing import FP8_INT_PATH_TOL, INT_PATH_TOL, assert_close, cpu_kernel_tolerance, random_paged_kv
 
 TOL = {torch.float32: (2e-4, 2e-3), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -278,10 +279,10 @@ def test_bad_input_raises_shape_errors() -> None:
 
 def test_kind_tables_match_the_compiled_module() -> None:
     nbm = cpu._nb()
-    assert cpu._SCALE_KIND[ScaleDType.FP32] == nbm.SC_F32
-    assert cpu._SCALE_KIND[ScaleDType.FP16] == nbm.SC_F16
-    assert cpu._SCALE_KIND[ScaleDType.BF16] == nbm.SC_BF16
-    assert cpu._SCALE_KIND[ScaleDType.E8M0] == nbm.SC_E8M0
+    assert scale_kind(ScaleDType.FP32) == nbm.SC_F32
+    assert scale_kind(ScaleDType.FP16) == nbm.SC_F16
+    assert scale_kind(ScaleDType.BF16) == nbm.SC_BF16
+    assert scale_kind(ScaleDType.E8M0) == nbm.SC_E8M0
     assert cpu._FLOAT_KIND == {torch.float16: nbm.FK_F16, torch.bfloat16: nbm.FK_BF16, torch.float32: nbm.FK_F32}
 
 

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from kvpack.errors import ShapeError
-from kvpack.formats import DType, QuantSpec, ScaleDType
+from kvpack.formats import DType, QuantSpec
+from kvpack.kernels.lowering import FloatKind, PayloadKind, lower
 from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
@@ -252,7 +253,7 @@ def _prepare(kv: PagedKV) -> _ViewState:
     tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
     # the tails: passthrough rows in the blocks' plane order
     for tp, src, tail in ((tpk, kp, kv.tail_k), (tpv, vp, kv.tail_v)):
-        tp[nbm.P_KIND] = nbm.FLT
+        tp[nbm.P_KIND] = PayloadKind.FLT
         tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
         tp[nbm.P_PER] = src[nbm.P_PER]
         tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
@@ -278,8 +279,8 @@ def _prepare(kv: PagedKV) -> _ViewState:
 # Arguments
 
 
-_SCALE_KIND = {ScaleDType.FP32: 1, ScaleDType.FP16: 2, ScaleDType.BF16: 3, ScaleDType.E8M0: 4}
-_FLOAT_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # cpu_numba.FK_*
+# the float kind of a tail's rows, by its torch dtype
+_FLOAT_KIND = {torch.float16: FloatKind.F16, torch.bfloat16: FloatKind.BF16, torch.float32: FloatKind.F32}
 _DUMMY = (np.zeros(1, np.uint8), np.zeros(1, np.uint16), np.zeros(1, np.float32))
 
 
@@ -434,28 +435,17 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
         raise ShapeError(
             f"{role} payload must be [num_blocks, {h}, {b}, {spec.packed_head_dim(d)}], got {tuple(payload.shape)}"
         )
+    low = lower(spec, h, b, d)
     p = np.zeros(nbm.N_PARAMS, np.int64)
     p[nbm.P_BST] = _block_stride(payload, f"{role} payload")
-    p[nbm.P_PER] = 1
-    p[nbm.P_HS] = p[nbm.P_TS] = p[nbm.P_CS] = 1
-    p[nbm.P_ROW] = spec.packed_head_dim(d)
+    p[nbm.P_KIND], p[nbm.P_FK], p[nbm.P_PER], p[nbm.P_OFF] = low.kind, low.float_kind, low.per, low.offset
+    p[nbm.P_HS], p[nbm.P_TS], p[nbm.P_CS] = low.scale_shape
+    p[nbm.P_ROW] = low.row
     p[nbm.P_FAR] = FAR_BLOCKS
     p[nbm.P_MULTI] = max(MULTI_TOKENS // b, 1)
     if spec.is_passthrough:
-        p[nbm.P_KIND] = nbm.FLT
-        p[nbm.P_FK] = _FLOAT_KIND[want]
         return p
-    if spec.dtype.is_fp8:
-        p[nbm.P_KIND] = nbm.E4M3 if spec.dtype is DType.FP8_E4M3 else nbm.E5M2
-    elif spec.dtype is DType.INT8:
-        p[nbm.P_KIND] = nbm.S8 if spec.symmetric else nbm.U8
-    else:
-        p[nbm.P_KIND] = nbm.U4 if spec.dtype is DType.INT4 else nbm.U2
-        p[nbm.P_PER] = 8 // spec.bits
-        p[nbm.P_OFF] = 0 if spec.has_zero else 2 ** (spec.bits - 1)
-    p[nbm.P_SKIND] = _SCALE_KIND[spec.scale_dtype]
-    p[nbm.P_ZKIND] = _SCALE_KIND[spec.zero_dtype] if spec.has_zero else nbm.SC_NONE
-    p[nbm.P_HS], p[nbm.P_TS], p[nbm.P_CS] = spec.scale_shape(h, b, d)
+    p[nbm.P_SKIND], p[nbm.P_ZKIND] = low.scale_kind, low.zero_kind
     scale, zero = (kv.k_scale, kv.k_zero) if role == "key" else (kv.v_scale, kv.v_zero)
     if scale is not None:  # missing scales are reported by _check_scales
         p[nbm.P_SBST] = _block_stride(scale, f"{role} scale")

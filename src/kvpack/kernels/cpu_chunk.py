@@ -70,17 +70,13 @@ def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None)
 
 
 def spec_vector(p: np.ndarray) -> np.ndarray:
-    """The chunk kernel's spec vector (``cpu_chunk_numba.C_*``) from the decode kernel's (``cpu_numba.P_*``)."""
+    """The chunk kernel's spec vector (``cpu_chunk_numba.C_*``) from the decode kernel's (``cpu_numba.P_*``). Both
+    kernels use :mod:`kvpack.kernels.lowering`'s codes (checked by ``tests/test_lowering.py``), so the fields are
+    copied as they are."""
     d, c = cpu._nb(), _nb()
     out = np.zeros(c.N_SPEC, np.int64)
-    kinds = {d.S8: c.S8, d.U8: c.U8, d.U4: c.U4, d.U2: c.U2, d.E4M3: c.E4M3, d.E5M2: c.E5M2, d.FLT: c.FLT}
-    fks = {d.FK_F16: c.FK_F16, d.FK_BF16: c.FK_BF16, d.FK_F32: c.FK_F32}
-    scs = {d.SC_NONE: c.SC_NONE, d.SC_F32: c.SC_F32, d.SC_F16: c.SC_F16, d.SC_BF16: c.SC_BF16, d.SC_E8M0: c.SC_E8M0}
-    out[c.C_KIND] = kinds[int(p[d.P_KIND])]
-    out[c.C_FK] = fks[int(p[d.P_FK])]
-    out[c.C_SKIND] = scs[int(p[d.P_SKIND])]
-    out[c.C_ZKIND] = scs[int(p[d.P_ZKIND])]
-    for src, dst in ((d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
+    for src, dst in ((d.P_KIND, c.C_KIND), (d.P_FK, c.C_FK), (d.P_SKIND, c.C_SKIND), (d.P_ZKIND, c.C_ZKIND),
+                     (d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
                      (d.P_ROW, c.C_ROW), (d.P_BST, c.C_BST), (d.P_SBST, c.C_SBST), (d.P_ZBST, c.C_ZBST),
                      (d.P_NOUT, c.C_NOUT), (d.P_IDX16, c.C_IDX16)):  # fmt: skip
         out[dst] = p[src]

@@ -24,6 +24,7 @@ import torch
 
 from kvpack.errors import ConfigError, ShapeError, UnsupportedError
 from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
+from kvpack.kernels.lowering import lower
 from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
@@ -87,26 +88,15 @@ def _per(spec: QuantSpec) -> int:
 
 def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: int) -> dict[str, int | bool]:
     """The kernel's compile-time description of one spec: ``KIND``, ``BITS``, ``PER``, ``SCALE``, ``CGROUP``,
-    ``E8M0`` (see :mod:`kvpack.kernels.triton_kernels`)."""
-    if spec.is_passthrough:
-        kind = 0
-    elif spec.dtype.is_fp8:
-        kind = 3 if spec.symmetric else 4
-    else:
-        kind = 1 if spec.symmetric else 2
-    shape = spec.scale_shape(kv_heads, block_size, head_dim)
-    if shape is None:
-        scale, cs = 0, 1
-    else:
-        _, ts, cs = shape
-        scale = {(False, False): 1, (False, True): 2, (True, False): 3, (True, True): 4}[(ts > 1, cs > 1)]
+    ``E8M0`` (codes of :mod:`kvpack.kernels.lowering`: :class:`TritonKind`, :class:`TritonScale`)."""
+    low = lower(spec, kv_heads, block_size, head_dim)
     return {
-        "KIND": kind,
+        "KIND": int(low.triton_kind),
         "BITS": spec.bits,
         "PER": _per(spec),
-        "SCALE": scale,
-        "CGROUP": head_dim // cs,
-        "E8M0": spec.scale_dtype is ScaleDType.E8M0,
+        "SCALE": int(low.triton_scale),
+        "CGROUP": low.cgroup,
+        "E8M0": low.e8m0,
     }
 
 

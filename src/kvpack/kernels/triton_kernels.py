@@ -1,13 +1,16 @@
 """Triton code only: the paged decode kernel, its split merge, and the seal (write-path) kernel.
 
 Launchers live in :mod:`kvpack.kernels.triton_decode` and :mod:`kvpack.kernels.triton_seal`; they check
-shapes and turn a :class:`~kvpack.formats.QuantSpec` into the compile-time constants used here:
+shapes and turn a :class:`~kvpack.formats.QuantSpec` into the compile-time constants used here, the codes of
+:func:`kvpack.kernels.lowering.lower` (written here as the literals Triton compares):
 
-* ``KIND``: 0 float passthrough, 1 symmetric int (offset binary below 8 bits), 2 asymmetric int
-  (unsigned codes plus a float zero), 3 fp8.
-* ``SCALE``: 0 none, 1 one scalar per block and head (tensor / head), 2 per channel, 3 per token,
-  4 per token and channel group. Scale arrays are indexed ``[block, head, token, channel // CGROUP]`` with
+* ``KIND`` (:class:`~kvpack.kernels.lowering.TritonKind`): 0 float passthrough, 1 symmetric int (offset binary
+  below 8 bits), 2 asymmetric int (unsigned codes plus a float zero), 3 fp8, 4 fp8 plus a zero-point.
+* ``SCALE`` (:class:`~kvpack.kernels.lowering.TritonScale`): 0 none, 1 one scalar per block and head (tensor /
+  head), 2 per channel, 3 per token, 4 per token and channel group. Scale arrays are indexed ``[block, head, token, channel // CGROUP]`` with
   stride 0 on the axes the granularity shares.
+* ``SDT`` / ``ZDT`` (the seal kernel; :class:`~kvpack.kernels.lowering.ScaleKind`): how a scale / zero-point is
+  stored, 1 fp32, 2 fp16, 3 bf16, 4 E8M0.
 * ``PER``: elements per payload byte (1, or 2 for int4, 4 for int2). A packed tile is never interleaved
   in registers: part ``j`` of a tile holds channels ``c = i * PER + j``, and the query and the output
   accumulators are split the same way, so the dot products run on contiguous bytes.
@@ -26,10 +29,6 @@ import triton.language as tl
 
 # Kernels defined while TRITON_INTERPRET=1 run on CPU tensors through the interpreter, never on a GPU.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-KIND_FLOAT, KIND_SYM, KIND_ASYM, KIND_FP8, KIND_FP8_ASYM = 0, 1, 2, 3, 4  # FP8_ASYM: fp8 codes + a zero-point
-SCALE_NONE, SCALE_SCALAR, SCALE_CHANNEL, SCALE_TOKEN, SCALE_GROUP = 0, 1, 2, 3, 4
-SDT_FP32, SDT_FP16, SDT_BF16, SDT_E8M0 = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -670,16 +669,17 @@ def _next16(b, UP: tl.constexpr):
 
 @triton.jit
 def _encode(s, SDT: tl.constexpr, UP: tl.constexpr):
-    """float32 -> stored scale (UP: rounded toward +inf) or zero (toward -inf); see quant.encode_scale."""
-    if SDT == 0:
+    """float32 -> stored scale (UP: rounded toward +inf) or zero (toward -inf); see quant.encode_scale.
+    ``SDT``: :class:`kvpack.kernels.lowering.ScaleKind` (1 fp32, 2 fp16, 3 bf16, 4 E8M0)."""
+    if SDT == 1:
         return s
-    elif SDT == 3:  # E8M0: ceil(log2(s)) + 127, from the bits of s clamped to [2**-126, 2**127]
+    elif SDT == 4:  # E8M0: ceil(log2(s)) + 127, from the bits of s clamped to [2**-126, 2**127]
         c = tl.minimum(tl.maximum(s, 1.1754943508222875e-38), 1.7014118346046923e38)
         bits = c.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) + 1 - ((bits & 0x7FFFFF) == 0).to(tl.int32)
         return tl.minimum(tl.maximum(e, 0), 254).to(tl.uint8)
     else:
-        if SDT == 1:
+        if SDT == 2:
             if UP:
                 s = tl.maximum(s, 6.103515625e-05)  # positive scales never round below the smallest normal
             o = s.to(tl.float16)
@@ -694,7 +694,7 @@ def _encode(s, SDT: tl.constexpr, UP: tl.constexpr):
             off = o.to(tl.float32) > s
         b = o.to(tl.int16, bitcast=True).to(tl.int32)
         b = tl.where(off, _next16(b, UP), b).to(tl.int16)
-        if SDT == 1:
+        if SDT == 2:
             return b.to(tl.float16, bitcast=True)
         else:
             return b.to(tl.bfloat16, bitcast=True)
@@ -810,7 +810,7 @@ def seal_kernel(
     s = tl.where(s > 0, s, 1.0)
     s_st = _encode(s, SDT, True)
     _store_params(s_ptr + blk * ss_n + pid_h * ss_h, s_st, offs_t, ss_t, ss_c, SCALE, CS)
-    s = _decode_scale(s_st, SDT == 3)
+    s = _decode_scale(s_st, SDT == 4)
     s_full = tl.broadcast_to(_expand(s, SCALE, BLOCK_SIZE, HEAD_DIM, CS, CGROUP), [BLOCK_SIZE, HEAD_DIM])
     z_full = tl.broadcast_to(_expand(z, SCALE, BLOCK_SIZE, HEAD_DIM, CS, CGROUP), [BLOCK_SIZE, HEAD_DIM])
 

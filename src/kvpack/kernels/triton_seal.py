@@ -15,13 +15,13 @@ import os
 import torch
 
 from kvpack.errors import NonFiniteError, ShapeError, UnsupportedError
-from kvpack.formats import QuantSpec, ScaleDType
+from kvpack.formats import QuantSpec
+from kvpack.kernels.lowering import scale_kind
 from kvpack.kernels.triton_decode import Launch, _kernels, _pow2, _triton_error, spec_constants
 from kvpack.quant import QuantizedTensor, find_non_finite, payload_torch_dtype, scale_torch_dtype
 
 __all__ = ["reasons_unsupported", "seal_blocks", "seal_into", "seal_launch"]
 
-_SDT = {ScaleDType.FP32: 0, ScaleDType.FP16: 1, ScaleDType.BF16: 2, ScaleDType.E8M0: 3}
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -138,8 +138,8 @@ def seal_launch(
         "SCALE": c["SCALE"],
         "CS": cs,
         "CGROUP": c["CGROUP"],
-        "SDT": _SDT[spec.scale_dtype],
-        "ZDT": _SDT[spec.zero_dtype],
+        "SDT": int(scale_kind(spec.scale_dtype)),
+        "ZDT": int(scale_kind(spec.zero_dtype)),
         "QMIN": spec.qmin if spec.dtype.is_int else 0,
         "QMAX": spec.qmax if spec.dtype.is_int else 0,
         "TOP": spec.dtype.fp8_max if spec.dtype.is_fp8 else float(spec.qmax),
