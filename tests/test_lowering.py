@@ -9,14 +9,13 @@ import sys
 
 import pytest
 
-from kvpack.formats import PRESETS, DType, ScaleDType, parse_format
+from kvpack.formats import PRESETS, ScaleDType, parse_format
 from kvpack.kernels.lowering import (
     FloatKind,
     PayloadKind,
     ScaleKind,
     TritonKind,
     TritonScale,
-    float_kind,
     lower,
     scale_kind,
 )
@@ -50,7 +49,7 @@ def test_enum_values() -> None:
     assert (TritonScale.NONE, TritonScale.SCALAR, TritonScale.CHANNEL, TritonScale.TOKEN, TritonScale.GROUP) == (
         0, 1, 2, 3, 4)  # fmt: skip
     assert scale_kind(ScaleDType.FP32) == ScaleKind.F32 and scale_kind(ScaleDType.E8M0) == ScaleKind.E8M0
-    assert float_kind(DType.BF16) == FloatKind.BF16
+    assert lower(PRESETS["bf16"].key, 1, 64, 64).float_kind == FloatKind.BF16
 
 
 def _triton_codes(spec, h: int, b: int, d: int) -> tuple[int, int, int]:

@@ -20,7 +20,6 @@ __all__ = [
     "ScaleKind",
     "TritonKind",
     "TritonScale",
-    "float_kind",
     "lower",
     "scale_kind",
 ]
@@ -102,11 +101,6 @@ class Lowered:
     triton_scale: TritonScale
     cgroup: int
     e8m0: bool
-
-
-def float_kind(dtype: DType) -> FloatKind:
-    """The :class:`FloatKind` of a passthrough dtype."""
-    return _FLOAT[dtype]
 
 
 def scale_kind(dtype: ScaleDType) -> ScaleKind:

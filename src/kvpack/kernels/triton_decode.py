@@ -93,7 +93,7 @@ def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: in
     return {
         "KIND": int(low.triton_kind),
         "BITS": spec.bits,
-        "PER": _per(spec),
+        "PER": low.per,
         "SCALE": int(low.triton_scale),
         "CGROUP": low.cgroup,
         "E8M0": low.e8m0,
