@@ -65,7 +65,7 @@ TINY = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_l
         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 # fp16 cache: 128 KiB a token (32 layers x 8 kv heads x 128 x K,V x 2 bytes), so 2 GiB hold 16k tokens: about 26 of
 # the 48 requests at once (each ~510 tokens of its own after the shared 512-token prefix, plus 96 new). kvpack int8
-# (~68 KiB a token with its scales and sink rows, after 392 MiB of fp16 tails: 48 requests + a scratch slot) holds 25k.
+# (~68 KiB a token with its scales and sink rows, after 384 MiB of fp16 tails of 48 requests) holds 25k.
 FULL = {"requests": 96, "prefix": 512, "extra": (256, 768), "max_tokens": 96, "kv_mib": 2048, "max_num_seqs": 48,
         "max_num_batched_tokens": 2048, "dtype": "float16", "time_limit_s": 480.0, "min_start_s": 60.0}  # fmt: skip
 SMOKE = {"requests": 8, "prefix": 64, "extra": (16, 80), "max_tokens": 8, "kv_mib": 16, "max_num_seqs": 4,

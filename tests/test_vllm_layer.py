@@ -101,7 +101,7 @@ def test_a_block_keeps_a_tail_until_its_last_slot_is_written():
     assert table.num_allocated == 1 and p.seal_block.size == 0 and list(p.write_off) == [0, 1, 2]
     p = _plan(table, [(3, 1, [5])])
     assert list(p.seal_block) == [5] and list(p.seal_from) == [3] and p.seal_slot[0] >= 0
-    assert table.num_allocated == 0 and p.tail_slot[0] == table.scratch  # nothing of the request is in a tail
+    assert table.num_allocated == 0 and p.tail_slot[0] == 0  # nothing of the request is in a tail: it reads none
     p = _plan(table, [(4, 6, [5, 7, 8])])  # a chunk that seals one block and opens the next
     assert list(p.seal_block) == [7] and list(p.seal_from) == [0] and list(p.seal_tok) == [0]
     assert list(p.write_tok) == [4, 5] and table.num_allocated == 1

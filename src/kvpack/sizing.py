@@ -480,8 +480,8 @@ def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> Vl
 
 def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, act_bytes: int, seqs: int) -> int:
     """The kvpack backend's full-precision tails in vLLM: one block of K and V per layer for each of ``seqs``
-    running requests (``max_num_seqs``) plus one scratch slot, paid from the KV space."""
-    return (seqs + 1) * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
+    running requests (``max_num_seqs``), paid from the KV space."""
+    return seqs * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
 
 
 def vllm_capacity_tokens(

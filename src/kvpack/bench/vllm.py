@@ -30,8 +30,11 @@ PROVIDERS = {
 }
 # The embedded model runs in float32: vLLM's default cache then holds 46 KiB a token (30 layers), and kvpack's
 # tails (one float32 block of K and V per layer for each of max_num_seqs requests) come out of the same space.
-FULL = {"requests": 48, "prefix": 256, "extra": (128, 512), "max_tokens": 64, "kv_mib": 320, "max_num_seqs": 32}
-QUICK = {"requests": 32, "prefix": 128, "extra": (64, 256), "max_tokens": 32, "kv_mib": 192, "max_num_seqs": 32}
+# Decode dominates (more new tokens than prompt tokens after the shared prefix) and the space is what limits the
+# running batch: at their longest the quick workload's sequences need about 14k tokens of KV, and vLLM's own
+# float32 cache holds 4k of them in 192 MiB, so it runs about a third of the requests at once and preempts.
+FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
+QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
 
 
 @dataclass

@@ -41,6 +41,7 @@ class StepTensors:
         tail_slot: ``[R]`` int64 each request's tail slot (:attr:`StepPlan.tail_slot`).
         decode_rows: ``[Rd]`` int64 requests with one query; decode_tokens: ``[Rd]`` int64 their query's token.
         prefill_rows: requests with several queries (numpy int64).
+        decode_dense: every request decodes and request ``i``'s query is token ``i`` (the queries need no gather).
     """
 
     block_table: torch.Tensor
@@ -49,6 +50,7 @@ class StepTensors:
     decode_rows: torch.Tensor
     decode_tokens: torch.Tensor
     prefill_rows: np.ndarray
+    decode_dense: bool = False
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor) -> StepTensors:
@@ -63,11 +65,12 @@ class StepTensors:
             decode_rows=torch.from_numpy(decode).to(dev),
             decode_tokens=torch.from_numpy(plan.query_start[decode]).to(dev),
             prefill_rows=np.nonzero(ql > 1)[0],
+            decode_dense=bool(decode.size == ql.size and np.array_equal(plan.query_start[: ql.size], decode)),
         )
 
 
 class PagedLayer:
-    """One layer's kvpack state around vLLM's pages: the tails of ``capacity`` open blocks (+ one scratch).
+    """One layer's kvpack state around vLLM's pages: the tails of ``capacity`` open blocks.
 
     Args:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
@@ -81,12 +84,14 @@ class PagedLayer:
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.capacity, self.device = capacity, torch.device(device)
-        shape = (capacity + 1, kv_heads, fmt.block_size, head_dim)
+        shape = (capacity, kv_heads, fmt.block_size, head_dim)
         self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
         self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
         self.rotation = key_rotation(head_dim).to(device) if fmt.key.rotate else None
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
+        self._rows: _Rows | None = None
+        self._views: dict[int, PagedKV] = {}  # row count -> the view over self._rows (see view)
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
@@ -94,6 +99,7 @@ class PagedLayer:
         if self._pools is None or self._pools_key != key:
             self._pools = self.layout.views(kv_cache)
             self._pools_key = key
+            self._views = {}  # views over the old pages
         return self._pools
 
     # -- writes -----------------------------------------------------------------------------------------
@@ -140,8 +146,9 @@ class PagedLayer:
             tok, slot, off = (
                 torch.from_numpy(x).to(k.device) for x in (plan.write_tok, plan.write_slot, plan.write_off)
             )
-            self.tail_k[slot, :, off] = k[tok]
-            self.tail_v[slot, :, off] = v[tok]
+            # [slot, off] on a (slot, position, head, dim) view: adjacent indices, one fast scatter of [M, H, D]
+            self.tail_k.transpose(1, 2)[slot, off] = k[tok]
+            self.tail_v.transpose(1, 2)[slot, off] = v[tok]
         if plan.sink_tok.size:
             tok, blk, pos = (torch.from_numpy(x).to(k.device) for x in (plan.sink_tok, plan.sink_block, plan.sink_pos))
             pools["sink_k"][blk, :, pos] = k[tok].to(pools["sink_k"].dtype)
@@ -150,35 +157,55 @@ class PagedLayer:
     # -- reads ------------------------------------------------------------------------------------------
 
     def view(self, kv_cache: torch.Tensor, st: StepTensors, rows: torch.Tensor | None = None) -> PagedKV:
-        """The :class:`PagedKV` of requests ``rows`` (None: all) over the pages; tails gathered by slot
-        (``[r, H, B, D]``, a copy of one block per request), sink rows from each request's first page."""
-        slots, tables, lens = st.tail_slot, st.block_table, st.seq_lens
-        if rows is not None:
-            slots, tables, lens = slots[rows], tables[rows], lens[rows]
+        """The :class:`PagedKV` of requests ``rows`` (None: all) over the pages.
+
+        The block tables, lengths, tails (gathered by slot: ``[r, H, B, D]``, one block per request) and sink
+        rows (from each request's first page) are copied into persistent buffers (:class:`_Rows`), and the view
+        of ``r`` rows is the same object step after step, so that a kernel keeps what it derived from its
+        structure (the CPU kernel's checks and numpy views) and only the contents change. Keys stored rotated
+        are read without the rotation: :meth:`attend` rotates the queries instead.
+        """
         pools = self.pools(kv_cache)
-        tail_k, tail_v = self.tail_k[slots], self.tail_v[slots]
-        sink_k = sink_v = None
-        if self.format.sink:
+        r = st.seq_lens.shape[0] if rows is None else rows.shape[0]
+        width = st.block_table.shape[1]
+        if self._rows is None or self._rows.width != width or self._rows.capacity < r:
+            self._rows = _Rows(max(self.capacity, r), width, self, st.block_table.device)
+            self._views = {}
+        buf = self._rows
+        tables, lens, tail_k, tail_v, sink_k, sink_v = buf.take(r)
+        slots = st.tail_slot
+        if rows is None:
+            tables.copy_(st.block_table)
+            lens.copy_(st.seq_lens)
+        else:
+            torch.index_select(st.block_table, 0, rows, out=tables)
+            torch.index_select(st.seq_lens, 0, rows, out=lens)
+            slots = slots[rows]
+        torch.index_select(self.tail_k, 0, slots, out=tail_k)
+        torch.index_select(self.tail_v, 0, slots, out=tail_v)
+        if sink_k is not None:
             first = tables[:, 0].long()
-            sink_k = pools["sink_k"][first].to(self.dtype)
-            sink_v = pools["sink_v"][first].to(self.dtype)
-        return PagedKV(
-            format=self.format,
-            head_dim=self.head_dim,
-            k_data=pools["k_data"],
-            k_scale=pools.get("k_scale"),
-            k_zero=pools.get("k_zero"),
-            v_data=pools["v_data"],
-            v_scale=pools.get("v_scale"),
-            v_zero=pools.get("v_zero"),
-            block_tables=tables.contiguous(),
-            seq_lens=lens.contiguous(),
-            tail_k=tail_k,
-            tail_v=tail_v,
-            key_rotation=self.rotation,
-            sink_k=sink_k,
-            sink_v=sink_v,
-        )
+            sink_k.copy_(pools["sink_k"].index_select(0, first))  # the page's dtype may differ from the tails'
+            sink_v.copy_(pools["sink_v"].index_select(0, first))
+        kv = self._views.get(r)
+        if kv is None:
+            kv = self._views[r] = PagedKV(
+                format=self.format,
+                head_dim=self.head_dim,
+                k_data=pools["k_data"],
+                k_scale=pools.get("k_scale"),
+                k_zero=pools.get("k_zero"),
+                v_data=pools["v_data"],
+                v_scale=pools.get("v_scale"),
+                v_zero=pools.get("v_zero"),
+                block_tables=tables,
+                seq_lens=lens,
+                tail_k=tail_k,
+                tail_v=tail_v,
+                sink_k=sink_k,
+                sink_v=sink_v,
+            )
+        return kv
 
     def attend(
         self,
@@ -197,11 +224,21 @@ class PagedLayer:
             query: ``[N, Hq, D]``; out: ``[N, Hq, D]`` written in place; kernel: the decode backend
                 (``auto``, ``cpu``, ``triton``, ``reference``).
         """
-        if st.decode_rows.numel():
-            rows = None if st.decode_rows.numel() == st.seq_lens.shape[0] else st.decode_rows
-            kv = self.view(kv_cache, st, rows)
-            res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
-            out[st.decode_tokens] = res.to(out.dtype)
+        if self.rotation is not None:  # scores are unchanged when keys and queries turn by the same rotation
+            query = rotate(query, self.rotation)
+        nd = st.decode_rows.numel()
+        if nd:
+            if nd == st.seq_lens.shape[0] and st.decode_dense:  # every request decodes: tokens 0 .. R-1 in order
+                kv = self.view(kv_cache, st)
+                dst = out[:nd]
+                res = decode_attention(query[:nd], kv, sm_scale=sm_scale, backend=kernel,
+                                       out=dst if dst.dtype == query.dtype else None)  # fmt: skip
+                if res is not dst:
+                    dst.copy_(res)
+            else:
+                kv = self.view(kv_cache, st, st.decode_rows)
+                res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
+                out[st.decode_tokens] = res.to(out.dtype)
         by_len: dict[int, list[int]] = {}  # prefill rows with the same number of queries share one call
         for i in st.prefill_rows.tolist():
             by_len.setdefault(int(plan.query_start[i + 1]) - int(plan.query_start[i]), []).append(i)
@@ -216,3 +253,28 @@ class PagedLayer:
                 res = run_chunk_backend(name, q, kv, sm_scale)
             for a, r in zip(starts, res):
                 out[a : a + t] = r.to(out.dtype)
+
+
+class _Rows:
+    """Persistent buffers behind the views of up to ``capacity`` requests (block tables ``[n, W]`` int32,
+    lengths ``[n]`` int32, tails ``[n, H, B, D]`` and sink rows ``[n, H, S, D]`` in the layer's dtype), and
+    their first-``r``-rows slices, the same tensor objects every time (see :meth:`PagedLayer.view`)."""
+
+    def __init__(self, capacity: int, width: int, layer: PagedLayer, device: torch.device) -> None:
+        h, b, d, s = layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink
+        self.capacity, self.width = capacity, width
+        self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.tail_k = torch.zeros(capacity, h, b, d, dtype=layer.dtype, device=device)
+        self.tail_v = torch.zeros_like(self.tail_k)
+        self.sink_k = torch.zeros(capacity, h, s, d, dtype=layer.dtype, device=device) if s else None
+        self.sink_v = torch.zeros_like(self.sink_k) if s else None
+        self._slices: dict[int, tuple] = {}
+
+    def take(self, r: int) -> tuple:
+        """``(tables, lens, tail_k, tail_v, sink_k, sink_v)`` of the first ``r`` rows (sinks None without)."""
+        hit = self._slices.get(r)
+        if hit is None:
+            parts = (self.tables, self.lens, self.tail_k, self.tail_v, self.sink_k, self.sink_v)
+            hit = self._slices[r] = tuple(None if t is None else t[:r] for t in parts)
+        return hit

@@ -4,8 +4,9 @@ vLLM writes a request's tokens into slots of its last block one step at a time, 
 a kvpack block can be quantized only once it is full. So a block that is not full yet (the *open* block, at most
 one per running request) keeps its tokens in a full-precision tail; the step that writes its last slot seals it
 into its page, and the tail is released. The tails live in a pool of ``capacity`` slots (``max_num_seqs``, since
-each running request has at most one open block) plus one scratch slot, and :class:`TailTable` maps a block id
-to the slot holding its tail.
+each running request has at most one open block), and :class:`TailTable` maps a block id to the slot holding
+its tail. A request whose last block is full reads no tail position; its row names slot 0, which it never
+reads, so the pool needs no spare slot.
 
 A tail is released when its block seals, when its block id starts over at slot 0 (vLLM handed the block to a new
 owner), or when the request that owns it finishes or is preempted (:meth:`TailTable.release_blocks`, called
@@ -35,8 +36,8 @@ class StepPlan:
     """What one step writes, for every layer alike (``R`` requests, ``N`` tokens in the step).
 
     Attributes:
-        tail_slot: ``[R]`` int64: the tail slot each request's attention reads (the scratch slot when its last
-            block is full after the step: then no tail position is read).
+        tail_slot: ``[R]`` int64: the tail slot each request's attention reads (0 when its last block is full
+            after the step: then no tail position is read, ``seq_len % block_size == 0``).
         write_tok, write_slot, write_off: ``[M]`` int64: token ``write_tok`` (index into the step's tokens) goes
             to tail slot ``write_slot`` at offset ``write_off``.
         seal_block: ``[K]`` int64: block ids sealed by this step.
@@ -72,7 +73,7 @@ def _i64(x: list[int]) -> np.ndarray:
 
 
 class TailTable:
-    """Block id -> tail slot, for ``capacity`` open blocks (slot ``capacity`` is scratch, never handed out)."""
+    """Block id -> tail slot, for ``capacity`` open blocks (slots ``0 .. capacity - 1``)."""
 
     def __init__(self, num_blocks: int, capacity: int, block_size: int, sink: int = 0) -> None:
         if capacity < 1 or num_blocks < 1:
@@ -82,10 +83,6 @@ class TailTable:
         self.capacity = capacity
         self.slot_of_block = np.full(num_blocks, -1, dtype=np.int64)
         self._free = list(range(capacity - 1, -1, -1))
-
-    @property
-    def scratch(self) -> int:
-        return self.capacity
 
     @property
     def num_allocated(self) -> int:
@@ -133,7 +130,7 @@ class TailTable:
         r = sl.shape[0]
         ql = qs[1 : r + 1] - qs[:r]
         start = sl - ql
-        tail_slot = np.full(r, cap, dtype=np.int64)
+        tail_slot = np.zeros(r, dtype=np.int64)  # rows with no open block read none of it
         w_tok: list[int] = []
         w_req: list[int] = []
         w_off: list[int] = []
