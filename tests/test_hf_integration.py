@@ -188,7 +188,7 @@ def test_chunk_attention_matches_reference(fmt, window):
     # the dequantize-then-SDPA fallback: summation order only
     assert_close(kt.chunk_attention(q, kv, 0.125, window, "reference"), expected, atol=1e-5, rtol=1e-5)
     # the default: the fused chunk kernel
-    assert kvpack.kernels.choose_backend(q, kv, window, "auto", kvpack.kernels.CHUNK_BACKENDS) == "cpu"
+    assert kvpack.kernels.choose_backend(q, kv, window, "auto", chunk=True) == "cpu"
     assert_close(kt.chunk_attention(q, kv, 0.125, window), expected, *CPU_CHUNK_TOL)
 
 
@@ -369,7 +369,9 @@ def test_fallback_to_reference_warns_once_and_is_counted(models, monkeypatch):
     monkeypatch.setattr(kernels, "_warned", set())
     real = kernels.backend_reasons
     monkeypatch.setattr(
-        kernels, "backend_reasons", lambda name, *a: ["pretend: no kernel"] if name == "cpu" else real(name, *a)
+        kernels,
+        "backend_reasons",
+        lambda name, *a, **k: ["pretend: no kernel"] if name == "cpu" else real(name, *a, **k),
     )
     cache = kvpack.hf.cache_for(model, "int8")
     with warnings.catch_warnings(record=True) as caught:

@@ -173,7 +173,7 @@ def test_bad_input_is_refused() -> None:
 def test_auto_picks_the_cpu_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"], [80], kv_heads=2, seed=1)
     q = _q(kv, 5, 2)
-    assert K.choose_backend(q, kv, None, "auto", K.CHUNK_BACKENDS) == "cpu"
+    assert K.choose_backend(q, kv, None, "auto", chunk=True) == "cpu"
     calls = []
     real = cpu_chunk.chunk_attention
     monkeypatch.setattr(cpu_chunk, "chunk_attention", lambda *a: calls.append(1) or real(*a))
@@ -202,8 +202,9 @@ def test_auto_falls_back_to_the_reference_with_one_warning(monkeypatch: pytest.M
 def test_missing_or_unknown_backends_give_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"], [80], kv_heads=2, seed=1)
     q = _q(kv, 5, 2)
-    monkeypatch.setitem(K.CHUNK_BACKENDS, "triton", "kvpack.kernels.no_such_chunk_module")
-    reasons = K.backend_reasons("triton", q, kv, None, K.CHUNK_BACKENDS)
+    missing = dataclasses.replace(K.BACKENDS["triton"], chunk_module="kvpack.kernels.no_such_chunk_module")
+    monkeypatch.setitem(K.BACKENDS, "triton", missing)
+    reasons = K.backend_reasons("triton", q, kv, None, chunk=True)
     assert len(reasons) == 1 and "not installed" in reasons[0]
     with pytest.raises(UnsupportedError, match="not installed"):
         K.chunk_attention(q, kv, backend="triton")

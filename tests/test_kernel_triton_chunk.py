@@ -29,7 +29,7 @@ import torch
 from _triton_interpreter import fixed_interpreter
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import parse_format
-from kvpack.kernels import reference
+from kvpack.kernels import BACKENDS, reference
 from kvpack.kernels import triton_chunk as tc
 from kvpack.kernels import triton_decode as td
 from kvpack.kernels.views import PagedKV
@@ -300,7 +300,8 @@ def test_reasons_are_the_decode_kernels():
     with pytest.raises(UnsupportedError) as e:
         tc.chunk_attention(q, kv)
     assert e.value.reasons
-    assert tc.SUPPORTS_OUTLIERS and tc.SUPPORTS_SINK
+    caps = BACKENDS["triton"].capabilities
+    assert caps.chunk and caps.outliers and caps.sink
 
 
 def test_bad_shapes_raise_before_launch():

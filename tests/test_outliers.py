@@ -210,15 +210,13 @@ def test_dispatcher_names_the_outlier_reason(monkeypatch):
     kv, _, _ = random_paged_kv(FMT, [40, 7], kv_heads=H, head_dim=D)
     q = torch.randn(2, 4, D)
     assert kernels.backend_reasons("reference", q, kv) == []
-    from kvpack.kernels import cpu
-
     reasons = kernels.backend_reasons("cpu", q, kv)
     monkeypatch.setattr(kernels, "_warned", set())
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         got = kernels.decode_attention(q, kv)
     expected = paged_attention_reference(q.unsqueeze(1), kv)[:, 0]
-    if getattr(cpu, "SUPPORTS_OUTLIERS", False):
+    if kernels.BACKENDS["cpu"].capabilities.outliers:
         assert kernels.OUTLIER_REASON not in reasons
         assert_close(got, expected, *cpu_kernel_tolerance(kv))
     else:
@@ -462,7 +460,7 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
     # the residuals matter at this tolerance: plain fp8 lands far outside it (measured 2.5e-3)
     assert (simulated(parse_format(f"fp8-plain,block={B}")) - expected).abs().max() > 1e-4
     outlier_warnings = [x for x in w if kernels.OUTLIER_REASON in str(x.message)]
-    if getattr(cpu, "SUPPORTS_OUTLIERS", False):
+    if kernels.BACKENDS["cpu"].capabilities.outliers:
         assert cache.decode_backends.get("cpu", 0) > 0 and not outlier_warnings
     else:  # until the CPU kernel applies the residuals, decode falls back to the reference, once warned
         assert cache.decode_backends.get("reference", 0) > 0 and len(outlier_warnings) == 1

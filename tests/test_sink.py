@@ -341,7 +341,7 @@ def test_reference_decode_reads_the_sink_on_a_planted_sink():
     assert_close(
         no_sink[0], _sdpa(q, _oracle(fmt.key, k[0], 0), _oracle(fmt.value, v[0], 0), 20)[0], atol=1e-4, rtol=1e-4
     )
-    # the dispatcher runs the reference on a view with a sink (it says SUPPORTS_SINK)
+    # the dispatcher runs the reference on a view with a sink (its capabilities say sink=True)
     from kvpack import kernels
 
     assert_close(kernels.decode_attention(q, kv, backend="reference"), out, atol=0, rtol=0)

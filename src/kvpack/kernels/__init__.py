@@ -1,36 +1,44 @@
 """Attention kernels over the paged cache: stateless functions of tensors.
 
 Backends: ``reference`` (torch oracle, the slow last resort), ``cpu`` (fused and compiled, needs numba),
-``triton`` (GPU; runs under the Triton interpreter in tests). Each backend module exposes
-``reasons_unsupported(q, kv, window) -> list[str]`` and ``decode_attention(q, kv, sm_scale, window, out)``.
-A backend that applies outlier key channels (``kv.k_outlier``) says so with ``SUPPORTS_OUTLIERS = True``;
-one that does not is never handed such a cache (the dispatcher adds :data:`OUTLIER_REASON`); likewise
-``SUPPORTS_SINK = True`` for full-precision sink positions (``kv.sink_k``, :data:`SINK_REASON`).
-
-Many queries per sequence (:func:`chunk_attention`: prefill chunks, prefix-cache hits, draft verification) go
-to the backends of :data:`CHUNK_BACKENDS`, chosen the same way; each such module exposes
-``reasons_unsupported(q, kv, window)`` (``q`` ``[batch, T, Hq, D]``), ``chunk_attention(q, kv, sm_scale,
-window, out)`` and the same two flags.
+``triton`` (GPU; runs under the Triton interpreter in tests), each a :class:`~kvpack.kernels.backend.DecodeBackend`
+in :data:`BACKENDS`: a name, :class:`~kvpack.kernels.backend.Capabilities` (outlier key channels, sink rows, a
+multi-query entry, rotated keys), ``reasons_unsupported`` and the entries ``decode_attention`` (one query per
+sequence) and ``chunk_attention`` (many: prefill chunks, prefix-cache hits, draft verification). The dispatcher
+refuses a case a backend's capabilities exclude (:data:`OUTLIER_REASON`, :data:`SINK_REASON`,
+:data:`CHUNK_REASON`) and adds the backend's own reasons; what any backend needs of a view is checked once by
+:meth:`PagedKV.check <kvpack.kernels.views.PagedKV.check>`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import warnings
 
 import torch
 
 from kvpack.errors import UnsupportedError
 from kvpack.formats import DType
+from kvpack.kernels.backend import (
+    CHUNK_REASON,
+    OUTLIER_REASON,
+    SINK_REASON,
+    Capabilities,
+    DecodeBackend,
+    ModuleBackend,
+    capability_reasons,
+)
 from kvpack.kernels.views import PagedKV
 from kvpack.rotation import rotate
 
 __all__ = [
     "BACKENDS",
-    "CHUNK_BACKENDS",
+    "CHUNK_REASON",
     "OUTLIER_REASON",
     "SINK_REASON",
+    "Capabilities",
+    "DecodeBackend",
+    "ModuleBackend",
     "PagedKV",
     "backend_reasons",
     "choose_backend",
@@ -41,46 +49,48 @@ __all__ = [
     "run_chunk_backend",
 ]
 
-BACKENDS = {
-    "reference": "kvpack.kernels.reference",
-    "cpu": "kvpack.kernels.cpu",
-    "triton": "kvpack.kernels.triton_decode",
+_FUSED = Capabilities(outliers=True, sink=True, chunk=True)
+BACKENDS: dict[str, DecodeBackend] = {
+    "reference": ModuleBackend(
+        "reference",
+        Capabilities(outliers=True, sink=True, chunk=True, rotated_keys=True),
+        "kvpack.kernels.reference",
+        "kvpack.kernels.reference",
+    ),
+    # outlier residuals are added to the scores in the kernel; sink rows attended beside it (kernels.cpu_sink)
+    "cpu": ModuleBackend("cpu", _FUSED, "kvpack.kernels.cpu", "kvpack.kernels.cpu_chunk", extra="cpu"),
+    # outlier residuals and sink rows (replacing their sealed rows) inside the kernels
+    "triton": ModuleBackend(
+        "triton", _FUSED, "kvpack.kernels.triton_decode", "kvpack.kernels.triton_chunk", extra="triton"
+    ),
 }
 
-CHUNK_BACKENDS = {
-    "reference": "kvpack.kernels.reference",
-    "cpu": "kvpack.kernels.cpu_chunk",
-    "triton": "kvpack.kernels.triton_chunk",
-}
-
-OUTLIER_REASON = "outlier key channels (k_outlier) are not supported by this backend"
-SINK_REASON = "full-precision sink positions (sink_k) are not supported by this backend"
-
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, bool, str]] = set()
 
 
-def _module(name: str, backends: dict[str, str] = BACKENDS):
-    return importlib.import_module(backends[name])
+def _unknown(name: str) -> str:
+    return f"unknown backend {name!r}; backends are {', '.join(BACKENDS)}"
+
+
+def _backend(name: str) -> DecodeBackend:
+    """``BACKENDS[name]``; :class:`UnsupportedError` naming the registered backends for another name."""
+    if name not in BACKENDS:
+        raise UnsupportedError(_unknown(name), [_unknown(name)])
+    return BACKENDS[name]
 
 
 def backend_reasons(
-    name: str, q: torch.Tensor, kv: PagedKV, window: int | None = None, backends: dict[str, str] = BACKENDS
+    name: str, q: torch.Tensor, kv: PagedKV, window: int | None = None, *, chunk: bool = False
 ) -> list[str]:
-    """Why backend ``name`` of ``backends`` (:data:`BACKENDS` or :data:`CHUNK_BACKENDS`) cannot run this case
-    (empty list: it can)."""
-    if name not in backends:
-        return [f"unknown backend {name!r}; backends are {', '.join(backends)}"]
-    try:
-        mod = _module(name, backends)
-    except ImportError as e:
-        extra = {"cpu": "cpu", "triton": "triton"}.get(name, "")
-        return [f"backend {name!r} is not installed ({e}); pip install 'kvpack[{extra}]'"]
-    reasons = list(mod.reasons_unsupported(q, kv, window))
-    if kv.k_outlier is not None and not getattr(mod, "SUPPORTS_OUTLIERS", False):
-        reasons.append(OUTLIER_REASON)
-    if kv.sink_k is not None and not getattr(mod, "SUPPORTS_SINK", False):
-        reasons.append(SINK_REASON)
-    return reasons
+    """Why backend ``name`` of :data:`BACKENDS` cannot run this case through its decode entry (``chunk``: its
+    multi-query entry), empty when it can: what its capabilities exclude, and its own reasons."""
+    if name not in BACKENDS:
+        return [_unknown(name)]
+    backend = BACKENDS[name]
+    missing = capability_reasons(backend.capabilities, kv, chunk)
+    if chunk and not backend.capabilities.chunk:
+        return missing  # no entry to ask
+    return backend.reasons_unsupported(q, kv, window, chunk=chunk) + missing
 
 
 def choose_backend(
@@ -88,27 +98,30 @@ def choose_backend(
     kv: PagedKV,
     window: int | None = None,
     backend: str = "auto",
-    backends: dict[str, str] = BACKENDS,
+    *,
+    chunk: bool = False,
 ) -> str:
-    """Pick the backend of ``backends`` for a case: the forced one, else Triton on CUDA and the CPU kernel on the CPU.
+    """Pick the backend of :data:`BACKENDS` for a case (``chunk``: for its multi-query entry): the forced one, else
+    Triton on CUDA and the CPU kernel on the CPU.
 
     A forced backend that cannot run raises :class:`UnsupportedError` with its reasons. In ``auto`` mode a
     preferred backend that cannot run falls back to the reference with a one-time warning naming why.
     """
     if backend != "auto":
-        reasons = backend_reasons(backend, q, kv, window, backends)
+        reasons = backend_reasons(backend, q, kv, window, chunk=chunk)
         if reasons:
             raise UnsupportedError(f"backend {backend!r} cannot run this case: " + "; ".join(reasons), reasons)
         return backend
     preferred = "triton" if q.is_cuda else "cpu"
-    reasons = backend_reasons(preferred, q, kv, window, backends)
+    reasons = backend_reasons(preferred, q, kv, window, chunk=chunk)
     if not reasons:
         return preferred
-    key = (backends[preferred], "; ".join(reasons))
+    key = (preferred, chunk, "; ".join(reasons))
     if key not in _warned:
         _warned.add(key)
+        what = "chunk kernel" if chunk else "kernel"
         warnings.warn(
-            f"kvpack: the {preferred} kernel cannot run this case ({key[1]}); using the slow reference path",
+            f"kvpack: the {preferred} {what} cannot run this case ({key[2]}); using the slow reference path",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -149,14 +162,19 @@ def run_backend(
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run backend ``name`` (no choice, no fallback). Keys stored rotated (``kv.key_rotation``) are read by
-    the fused backends with the rotated query ``q @ R`` and a view without the rotation; the reference
-    unrotates the keys itself."""
-    mod = _module(name)
-    if kv.key_rotation is not None and name != "reference":
-        q = rotate(q, kv.key_rotation.to(q.device))
-        kv = dataclasses.replace(kv, key_rotation=None)
-    return mod.decode_attention(q, kv, sm_scale, window, out)
+    """Run backend ``name``'s decode entry (no choice, no fallback). Keys stored rotated (``kv.key_rotation``)
+    are read by a backend without :attr:`Capabilities.rotated_keys` with the rotated query ``q @ R`` and a view
+    without the rotation; the reference unrotates the keys itself."""
+    backend = _backend(name)
+    q, kv = _unrotated(backend, q, kv)
+    return backend.decode_attention(q, kv, sm_scale, window, out)
+
+
+def _unrotated(backend: DecodeBackend, q: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, PagedKV]:
+    """``(q @ R, kv without R)`` for a view of rotated keys and a backend that does not read them itself."""
+    if kv.key_rotation is None or backend.capabilities.rotated_keys:
+        return q, kv
+    return rotate(q, kv.key_rotation.to(q.device)), dataclasses.replace(kv, key_rotation=None)
 
 
 def chunk_attention(
@@ -171,7 +189,7 @@ def chunk_attention(
     """Attention of the last ``T`` positions of each sequence over its paged history (a prefill chunk, the
     question after a cached document, draft tokens to verify): the semantics of
     :func:`kvpack.kernels.reference.paged_attention_reference`, on the backend :func:`choose_backend` picks
-    from :data:`CHUNK_BACKENDS`.
+    for the multi-query entry.
 
     Args:
         q: ``[batch, T, Hq, D]``, float16/bfloat16/float32; ``Hq`` a multiple of ``kv.kv_heads``.
@@ -186,7 +204,7 @@ def chunk_attention(
     Returns:
         ``[batch, T, Hq, D]`` in ``q.dtype``.
     """
-    name = choose_backend(q, kv, window, backend, CHUNK_BACKENDS)
+    name = choose_backend(q, kv, window, backend, chunk=True)
     return run_chunk_backend(name, q, kv, sm_scale, window, out)
 
 
@@ -198,12 +216,13 @@ def run_chunk_backend(
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run chunk backend ``name`` (no choice, no fallback); rotated keys as :func:`run_backend` handles them."""
-    mod = _module(name, CHUNK_BACKENDS)
-    if kv.key_rotation is not None and name != "reference":
-        q = rotate(q, kv.key_rotation.to(q.device))
-        kv = dataclasses.replace(kv, key_rotation=None)
-    return mod.chunk_attention(q, kv, sm_scale, window, out)
+    """Run backend ``name``'s multi-query entry (no choice, no fallback); rotated keys as :func:`run_backend`
+    handles them."""
+    backend = _backend(name)
+    if not backend.capabilities.chunk:
+        raise UnsupportedError(f"backend {name!r} cannot run this case: {CHUNK_REASON}", [CHUNK_REASON])
+    q, kv = _unrotated(backend, q, kv)
+    return backend.chunk_attention(q, kv, sm_scale, window, out)
 
 
 def fused_chunk_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None, backend: str = "auto") -> str | None:
@@ -215,6 +234,6 @@ def fused_chunk_backend(q: torch.Tensor, kv: PagedKV, window: int | None = None,
     if backend == "reference" or kv.format.value.dtype is DType.FP32:
         return None
     if backend != "auto":
-        return None if backend_reasons(backend, q, kv, window, CHUNK_BACKENDS) else backend
-    name = choose_backend(q, kv, window, "auto", CHUNK_BACKENDS)
+        return None if backend_reasons(backend, q, kv, window, chunk=True) else backend
+    name = choose_backend(q, kv, window, "auto", chunk=True)
     return None if name == "reference" else name

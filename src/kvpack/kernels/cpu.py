@@ -34,23 +34,15 @@ import torch
 from kvpack.errors import ShapeError
 from kvpack.formats import DType, QuantSpec
 from kvpack.kernels.lowering import FloatKind, PayloadKind, lower
-from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
-from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+from kvpack.kernels.views import ROLES, PagedKV, Role, refuse_rotated
 
 __all__ = [
     "MIN_CHUNK_TOKENS",
-    "SUPPORTS_OUTLIERS",
-    "SUPPORTS_SINK",
     "decode_attention",
     "int_dot_enabled",
     "int_dot_isa",
     "reasons_unsupported",
 ]
-
-# Outlier key channels (kv.k_outlier residuals at kv.k_outlier_idx) are added to the scores in the kernel.
-SUPPORTS_OUTLIERS = True
-# sink rows are attended beside the kernel and merged with its chunks (kvpack.kernels.cpu_sink)
-SUPPORTS_SINK = True
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -131,8 +123,10 @@ def _numba_missing() -> str | None:
     return None
 
 
-def _spec_reasons(spec: QuantSpec, head_dim: int, role: str) -> list[str]:
-    reasons = []
+def _spec_reasons(spec: QuantSpec, head_dim: int, role: Role) -> list[str]:
+    """Why the kernel cannot read ``role``'s spec at ``head_dim``: packed int4/int2 rows whose scales would split
+    a byte (the kernel's own limit; what any backend needs of a spec is :meth:`PagedKV.reasons_invalid`'s)."""
+    reasons: list[str] = []
     per = 8 // spec.bits if spec.dtype in (DType.INT4, DType.INT2) else 1
     if per == 1:
         return reasons
@@ -140,7 +134,7 @@ def _spec_reasons(spec: QuantSpec, head_dim: int, role: str) -> list[str]:
         reasons.append(f"{role}: {spec.dtype.value} needs head_dim divisible by {per} here, got {head_dim}")
     _, ts, cs = spec.scale_shape(1, 2, head_dim)
     # scales that vary along a row (value groups or channels, key groups) must cover whole packed bytes
-    along_row = cs > 1 and (role == "values" or ts > 1)
+    along_row = cs > 1 and (role == "value" or ts > 1)
     if along_row and (head_dim // cs) % per:
         reasons.append(
             f"{role}: {spec.dtype.value} with {spec.granularity.name} scales needs groups of a multiple of {per} "
@@ -170,10 +164,8 @@ def _view_reasons(kv: PagedKV) -> list[str]:
         reasons.append(missing)
     if kv.device.type != "cpu" or kv.k_data.device.type != "cpu":
         reasons.append(f"tensors must be on the CPU (cache on {kv.device}); use the triton backend")
-    if kv.tail_k.dtype not in _FLOATS or kv.tail_v.dtype != kv.tail_k.dtype:
-        reasons.append(f"tails must share one of float32/float16/bfloat16, got {kv.tail_k.dtype}/{kv.tail_v.dtype}")
-    reasons += _spec_reasons(kv.format.key, kv.head_dim, "keys")
-    reasons += _spec_reasons(kv.format.value, kv.head_dim, "values")
+    for role in ROLES:
+        reasons += _spec_reasons(kv.spec(role), kv.head_dim, role)
     return reasons
 
 
@@ -244,12 +236,11 @@ def _prepare(kv: PagedKV) -> _ViewState:
     dot = int_dot_enabled()
     if state.ready and state.int_dot == dot:
         return state
-    _check_view(kv)
+    kv.check()
+    _check_outlier_layout(kv)
     nbm = _nb()
     kp = _params(kv.format.key, kv, kv.k_data, "key")
     vp = _params(kv.format.value, kv, kv.v_data, "value")
-    if kv.v_data.shape[0] != kv.k_data.shape[0]:
-        raise ShapeError(f"key and value pools differ in blocks: {kv.k_data.shape[0]} vs {kv.v_data.shape[0]}")
     tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
     # the tails: passthrough rows in the blocks' plane order
     for tp, src, tail in ((tpk, kp, kv.tail_k), (tpv, vp, kv.tail_v)):
@@ -371,7 +362,7 @@ def int_dot_enabled() -> bool:
     return os.environ.get("KVPACK_CPU_INT_DOT", "1") != "0" and int_dot_isa() is not None
 
 
-def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
+def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: Role) -> int:
     """The largest int16 operand the integer path may use for this spec (0: it does not apply).
 
     Keys: the scale must be constant over a block's tokens (it is folded into the query), rows in whole
@@ -403,7 +394,7 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: str) -> int:
     return lim if lim >= _MIN_INT_LIMIT else 0
 
 
-def _int_dot_guards(kind: int, lim: int, role: str) -> tuple[int, int]:
+def _int_dot_guards(kind: int, lim: int, role: Role) -> tuple[int, int]:
     """``(P_SPREAD, P_CMIN)`` of an integer-path spec (``role``: key or value) whose int16 operands go up to ``lim``.
 
     Rounding an operand scaled to ``lim`` at its largest moves the typical element ``x`` by ``max / (2 lim)``; the
@@ -423,18 +414,12 @@ def _int_dot_guards(kind: int, lim: int, role: str) -> tuple[int, int]:
     return int(math.log2(lim / centred)) + SPREAD_SLACK[role], 0
 
 
-def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> np.ndarray:
-    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``); checks the pool's dtype and shape, and that
-    the payload, scale and zero-point pools can be read in place (:func:`_block_stride`: their block strides)."""
+def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: Role) -> np.ndarray:
+    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``) of a checked view (:meth:`PagedKV.check`);
+    checks that the payload, scale and zero-point pools can be read in place (:func:`_block_stride`: their block
+    strides)."""
     nbm = _nb()
     h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
-    want = payload_torch_dtype(spec)
-    if payload.dtype != want:
-        raise ShapeError(f"{role} payload dtype {payload.dtype} does not match format {spec} (expected {want})")
-    if tuple(payload.shape[1:]) != (h, b, spec.packed_head_dim(d)):
-        raise ShapeError(
-            f"{role} payload must be [num_blocks, {h}, {b}, {spec.packed_head_dim(d)}], got {tuple(payload.shape)}"
-        )
     low = lower(spec, h, b, d)
     p = np.zeros(nbm.N_PARAMS, np.int64)
     p[nbm.P_BST] = _block_stride(payload, f"{role} payload")
@@ -447,7 +432,7 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
         return p
     p[nbm.P_SKIND], p[nbm.P_ZKIND] = low.scale_kind, low.zero_kind
     scale, zero = (kv.k_scale, kv.k_zero) if role == "key" else (kv.v_scale, kv.v_zero)
-    if scale is not None:  # missing scales are reported by _check_scales
+    if scale is not None:  # a checked view has the scales its spec stores
         p[nbm.P_SBST] = _block_stride(scale, f"{role} scale")
     if spec.has_zero and zero is not None:
         p[nbm.P_ZBST] = _block_stride(zero, f"{role} zero")
@@ -460,21 +445,6 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: str) -> n
     return p
 
 
-def _check_scales(spec: QuantSpec, kv: PagedKV, scale: torch.Tensor | None, zero: torch.Tensor | None, role: str):
-    shape = spec.scale_shape(kv.kv_heads, kv.block_size, kv.head_dim)
-    for name, t, dt in ((f"{role} scale", scale, spec.scale_dtype), (f"{role} zero", zero, spec.zero_dtype)):
-        needed = shape is not None and (name.endswith("scale") or spec.has_zero)
-        if not needed:
-            continue
-        if t is None:
-            raise ShapeError(f"{name} is missing: format {spec} stores one per {spec.granularity.name}")
-        if tuple(t.shape[1:]) != shape or t.dtype != scale_torch_dtype(dt):
-            raise ShapeError(
-                f"{name} must be [num_blocks, {', '.join(map(str, shape))}] {scale_torch_dtype(dt)}, "
-                f"got {tuple(t.shape)} {t.dtype}"
-            )
-
-
 def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     """What must be checked on every call: the query and the output buffer."""
     h, d = kv.kv_heads, kv.head_dim
@@ -484,47 +454,15 @@ def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
         raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
 
 
-def _check_view(kv: PagedKV) -> None:
-    """The view's structure: shapes and dtypes of its tensors (checked once per view, see :func:`_prepare`)."""
-    h, d = kv.kv_heads, kv.head_dim
-    want_tail = (kv.batch, h, kv.block_size, d)
-    if tuple(kv.tail_k.shape) != want_tail or tuple(kv.tail_v.shape) != want_tail:
-        raise ShapeError(f"tails must be {list(want_tail)}, got {tuple(kv.tail_k.shape)} / {tuple(kv.tail_v.shape)}")
-    if kv.block_tables.dtype != torch.int32 or kv.seq_lens.dtype != torch.int32:
-        raise ShapeError("block_tables and seq_lens must be torch.int32")
-    if kv.block_tables.dim() != 2 or kv.block_tables.shape[0] != kv.batch:
-        raise ShapeError(f"block_tables must be [batch={kv.batch}, max_blocks], got {tuple(kv.block_tables.shape)}")
-    if kv.start_pos is not None and (kv.start_pos.shape != (kv.batch,) or kv.start_pos.dtype != torch.int32):
-        raise ShapeError(f"start_pos must be [batch={kv.batch}] int32, got {tuple(kv.start_pos.shape)}")
-    _check_scales(kv.format.key, kv, kv.k_scale, kv.k_zero, "key")
-    _check_scales(kv.format.value, kv, kv.v_scale, kv.v_zero, "value")
-    _check_outliers(kv)
-    check_sink(kv)
-
-
-def _check_outliers(kv: PagedKV) -> None:
-    if kv.k_outlier is None and kv.k_outlier_idx is None:
-        return
-    if kv.k_outlier is None or kv.k_outlier_idx is None:
-        raise ShapeError(
-            "k_outlier and k_outlier_idx come together: pass both residuals and channel indices, or neither"
-        )
+def _check_outlier_layout(kv: PagedKV) -> None:
+    """The kernel's own limit on outlier pools (their shapes are :meth:`PagedKV.check`'s): contiguous, as it
+    indexes them as ``[num_blocks * H, ...]`` with no block stride."""
     for name, t in (("k_outlier", kv.k_outlier), ("k_outlier_idx", kv.k_outlier_idx)):
-        if not t.is_contiguous():  # the kernel indexes them as [num_blocks * H, ...] (no block stride)
+        if t is not None and not t.is_contiguous():
             raise ShapeError(
                 f"{name} must be contiguous for the CPU kernel (outlier pools take no block stride), "
                 f"got strides {t.stride()}; pass {name}.contiguous()"
             )
-    nb, h, b, k = kv.k_data.shape[0], kv.kv_heads, kv.block_size, kv.k_outlier.shape[-1]
-    if tuple(kv.k_outlier.shape) != (nb, h, b, k) or kv.k_outlier.dtype != torch.float16:
-        raise ShapeError(
-            f"k_outlier must be [{nb}, {h}, {b}, k] float16, got {tuple(kv.k_outlier.shape)} {kv.k_outlier.dtype}"
-        )
-    if tuple(kv.k_outlier_idx.shape) != (nb, h, k) or kv.k_outlier_idx.dtype not in (torch.uint8, torch.int16):
-        raise ShapeError(
-            f"k_outlier_idx must be [{nb}, {h}, {k}] uint8 (int16 past head_dim 256), "
-            f"got {tuple(kv.k_outlier_idx.shape)} {kv.k_outlier_idx.dtype}"
-        )
 
 
 def _check_outlier_channels(kv: PagedKV) -> None:

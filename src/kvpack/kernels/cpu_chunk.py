@@ -27,15 +27,10 @@ from kvpack.kernels.views import PagedKV, refuse_rotated
 __all__ = [
     "ROWS_PER_TILE",
     "STEP_TOKENS",
-    "SUPPORTS_OUTLIERS",
-    "SUPPORTS_SINK",
     "chunk_attention",
     "reasons_unsupported",
     "scratch_bytes",
 ]
-
-SUPPORTS_OUTLIERS = True
-SUPPORTS_SINK = True
 
 _LOG2E = 1.4426950408889634
 # Query rows (t * G + g) per work item: each sealed block is dequantized once per item, so more rows share

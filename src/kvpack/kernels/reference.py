@@ -152,10 +152,6 @@ def paged_attention_reference(
     return out.to(q.dtype)
 
 
-SUPPORTS_OUTLIERS = True
-SUPPORTS_SINK = True
-
-
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
     """The reference runs every case."""
     return []
@@ -168,7 +164,9 @@ def decode_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention, one query per sequence: ``q`` ``[batch, Hq, D]`` -> ``[batch, Hq, D]``."""
+    """Decode attention, one query per sequence: ``q`` ``[batch, Hq, D]`` -> ``[batch, Hq, D]`` (into ``out``
+    when given). Raises :class:`ShapeError` for a view that does not match its format (:meth:`PagedKV.check`)."""
+    kv.check()
     res = paged_attention_reference(q.unsqueeze(1), kv, sm_scale, window)[:, 0]
     if out is not None:
         out.copy_(res)
@@ -184,7 +182,9 @@ def chunk_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The chunk backend contract over :func:`paged_attention_reference`: ``q`` ``[batch, T, Hq, D]`` ->
-    ``[batch, T, Hq, D]`` (into ``out`` when given)."""
+    ``[batch, T, Hq, D]`` (into ``out`` when given); a view that does not match its format raises
+    :class:`ShapeError` (:meth:`PagedKV.check`)."""
+    kv.check()
     res = paged_attention_reference(q, kv, sm_scale, window)
     if out is not None:
         out.copy_(res)

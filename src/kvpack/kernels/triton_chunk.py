@@ -25,8 +25,6 @@ from kvpack.kernels import triton_decode as td
 from kvpack.kernels.views import PagedKV, refuse_rotated
 
 __all__ = [
-    "SUPPORTS_OUTLIERS",
-    "SUPPORTS_SINK",
     "chunk_attention",
     "default_block_m",
     "launch_config",
@@ -34,8 +32,6 @@ __all__ = [
     "reasons_unsupported",
 ]
 
-SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scores inside the kernel
-SUPPORTS_SINK = True  # full-precision sink positions replace their sealed rows inside the kernel
 MAX_BLOCK_M = 64  # query rows per program: 64 x a 64-token block keeps sm_90 free of spills at head_dim <= 256
 
 

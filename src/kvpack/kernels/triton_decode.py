@@ -25,8 +25,7 @@ import torch
 from kvpack.errors import ConfigError, ShapeError, UnsupportedError
 from kvpack.formats import DType, PerChannel, PerGroup, PerHead, PerTensor, PerToken, QuantSpec, ScaleDType
 from kvpack.kernels.lowering import lower
-from kvpack.kernels.views import PagedKV, check_sink, refuse_rotated
-from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+from kvpack.kernels.views import ROLES, PagedKV, Role, refuse_rotated
 
 __all__ = [
     "Launch",
@@ -45,8 +44,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-SUPPORTS_OUTLIERS = True  # residuals of kept key channels are added to the scores inside the kernel
-SUPPORTS_SINK = True  # full-precision sink positions replace their sealed rows inside the kernel
 _Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains in parallelism
 PROGRAMS_PER_SM = 16  # measured on an H200 (benchmarks/gpu_tune.py): 16 beat 4 by 1.06-1.6x at batch 16-64
@@ -100,8 +97,10 @@ def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: in
     }
 
 
-def _spec_reasons(role: str, spec: QuantSpec, head_dim: int) -> list[str]:
-    reasons = []
+def _spec_reasons(spec: QuantSpec, head_dim: int, role: Role) -> list[str]:
+    """Why the kernel cannot read ``role``'s spec at ``head_dim`` (its own limits; what any backend needs of a
+    spec is :meth:`PagedKV.reasons_invalid`'s)."""
+    reasons: list[str] = []
     if spec.granularity is not None and not isinstance(
         spec.granularity, (PerTensor, PerHead, PerChannel, PerToken, PerGroup)
     ):
@@ -111,7 +110,6 @@ def _spec_reasons(role: str, spec: QuantSpec, head_dim: int) -> list[str]:
             f"{role}: {spec.dtype.value} needs head_dim >= {16 * _per(spec)} (each packed part feeds a dot of "
             f"at least 16), got {head_dim}"
         )
-    reasons += [f"{role}: {r}" for r in spec.reasons_invalid(head_dim)]
     return reasons
 
 
@@ -148,10 +146,8 @@ def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None)
         reasons.append(f"head_dim must be a power of two in [16, 256], got {d}")
     if not (_pow2(b) and 16 <= b <= 256):
         reasons.append(f"block_size must be a power of two in [16, 256], got {b}; use block=16, 32, 64 or 128")
-    if kv.tail_k.dtype not in _Q_DTYPES:
-        reasons.append(f"the tail must be float16, bfloat16 or float32, got {kv.tail_k.dtype}")
-    reasons += _spec_reasons("keys", kv.format.key, d)
-    reasons += _spec_reasons("values", kv.format.value, d)
+    for role in ROLES:
+        reasons += _spec_reasons(kv.spec(role), d, role)
     if window is not None and window < 1:
         reasons.append(f"window must be a positive number of positions, got {window}")
     return reasons
@@ -161,88 +157,23 @@ def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None)
 # Shape checks
 
 
-def _check_pool(name: str, data: torch.Tensor, scale, zero, spec: QuantSpec, kv: PagedKV) -> None:
-    h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
-    want = (h, b, spec.packed_head_dim(d))
-    if data.dim() != 4 or tuple(data.shape[1:]) != want or data.dtype != payload_torch_dtype(spec):
-        raise ShapeError(
-            f"{name}_data must be [num_blocks, {h}, {b}, {want[2]}] {payload_torch_dtype(spec)} for {spec}, "
-            f"got {tuple(data.shape)} {data.dtype}"
-        )
-    if data.stride(-1) != 1:
-        raise ShapeError(f"{name}_data must be contiguous in its last axis; pass .contiguous()")
-    shape = spec.scale_shape(h, b, d)
-    for what, t, dt in (
-        ("scale", scale, spec.scale_dtype),
-        ("zero", zero if spec.has_zero else None, spec.zero_dtype),
-    ):
-        needed = shape is not None and (what == "scale" or spec.has_zero)
-        if not needed:
-            continue
-        if t is None:
-            raise ShapeError(f"{name}_{what} is missing: {spec} stores a {what} per {list(shape)} of a block")
-        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != scale_torch_dtype(dt):
-            raise ShapeError(
-                f"{name}_{what} must be [num_blocks, {', '.join(map(str, shape))}] {scale_torch_dtype(dt)}, "
-                f"got {tuple(t.shape)} {t.dtype}"
-            )
-        if t.shape[0] != data.shape[0]:
-            raise ShapeError(f"{name}_{what} has {t.shape[0]} blocks but {name}_data has {data.shape[0]}")
-
-
-def _check_outliers(kv: PagedKV) -> None:
-    n = kv.format.key.outliers
-    if (kv.k_outlier is None) != (kv.k_outlier_idx is None) or (n > 0) != (kv.k_outlier is not None):
-        raise ShapeError(
-            f"the key spec keeps {n} outlier channels: k_outlier and k_outlier_idx must both be "
-            + ("given" if n else "None")
-        )
-    if kv.k_outlier is None:
-        return
-    h, b, nb = kv.kv_heads, kv.block_size, kv.k_data.shape[0]
-    r, i = kv.k_outlier, kv.k_outlier_idx
-    if tuple(r.shape) != (nb, h, b, n) or r.dtype != torch.float16 or r.stride(-1) != 1:
-        raise ShapeError(f"k_outlier must be [{nb}, {h}, {b}, {n}] float16, contiguous, got {tuple(r.shape)} {r.dtype}")
-    if tuple(i.shape) != (nb, h, n) or i.dtype not in (torch.uint8, torch.int16) or i.stride(-1) != 1:
-        raise ShapeError(f"k_outlier_idx must be [{nb}, {h}, {n}] uint8 or int16, got {tuple(i.shape)} {i.dtype}")
-
-
-def _check_sink(kv: PagedKV) -> None:
-    """The view's sink contract (:func:`~kvpack.kernels.views.check_sink`), and rows contiguous in head_dim."""
-    check_sink(kv)
-    for name, t in (("sink_k", kv.sink_k), ("sink_v", kv.sink_v)):
-        if t is not None and t.stride(-1) != 1:
-            raise ShapeError(f"{name} must be contiguous in head_dim (stride 1), got strides {t.stride()}")
-
-
 def check_cache(kv: PagedKV, device: torch.device) -> None:
-    """Raise :class:`ShapeError` unless every tensor of the view has the shape, dtype and layout the Triton
-    kernels read (pools, tails, tables, outliers, sink) and lies on ``device``. Shared by the decode and the
-    chunk launchers; the query and the output are theirs to check."""
+    """Raise :class:`ShapeError` unless the view is valid (:meth:`PagedKV.check`), every tensor of it lies on
+    ``device``, and its tensors are laid out as the Triton kernels read them: the last axis (head_dim, packed
+    bytes, outlier channels) contiguous; any stride elsewhere. Shared by the decode and the chunk launchers; the
+    query and the output are theirs to check."""
     refuse_rotated(kv)
-    batch, h, b, d = kv.batch, kv.kv_heads, kv.block_size, kv.head_dim
-    _check_pool("k", kv.k_data, kv.k_scale, kv.k_zero, kv.format.key, kv)
-    _check_pool("v", kv.v_data, kv.v_scale, kv.v_zero, kv.format.value, kv)
-    for name, t in (("tail_k", kv.tail_k), ("tail_v", kv.tail_v)):
-        if tuple(t.shape) != (batch, h, b, d) or t.stride(-1) != 1:
-            raise ShapeError(f"{name} must be [{batch}, {h}, {b}, {d}] contiguous in head_dim, got {tuple(t.shape)}")
-    if kv.tail_v.dtype != kv.tail_k.dtype:
-        raise ShapeError(f"tail_k and tail_v must share a dtype, got {kv.tail_k.dtype} and {kv.tail_v.dtype}")
-    if kv.block_tables.dtype != torch.int32 or kv.block_tables.dim() != 2 or kv.block_tables.shape[0] != batch:
-        raise ShapeError(f"block_tables must be [batch={batch}, max_blocks] int32, got {tuple(kv.block_tables.shape)} "
-                         f"{kv.block_tables.dtype}")  # fmt: skip
-    if kv.seq_lens.dtype != torch.int32 or tuple(kv.seq_lens.shape) != (batch,):
-        raise ShapeError(f"seq_lens must be [batch={batch}] int32, got {tuple(kv.seq_lens.shape)} {kv.seq_lens.dtype}")
-    if kv.start_pos is not None and (kv.start_pos.dtype != torch.int32 or tuple(kv.start_pos.shape) != (batch,)):
-        raise ShapeError(f"start_pos must be [batch={batch}] int32, got {tuple(kv.start_pos.shape)}")
-    _check_outliers(kv)
-    _check_sink(kv)
-    tensors = [kv.k_data, kv.v_data, kv.block_tables, kv.seq_lens, kv.tail_k, kv.tail_v]
-    optional = (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.start_pos, kv.k_outlier, kv.k_outlier_idx)
-    tensors += [t for t in (*optional, kv.sink_k, kv.sink_v) if t is not None]
-    for t in tensors:
-        if t.device != device:
-            raise ShapeError(f"every cache tensor must be on q's device {device}, found one on {t.device}")
+    kv.check()
+    if kv.device != device:
+        raise ShapeError(f"every cache tensor must be on q's device {device}, found them on {kv.device}")
+    rows = (("k_data", kv.k_data), ("v_data", kv.v_data), ("tail_k", kv.tail_k), ("tail_v", kv.tail_v),
+            ("k_outlier", kv.k_outlier), ("k_outlier_idx", kv.k_outlier_idx), ("sink_k", kv.sink_k),
+            ("sink_v", kv.sink_v))  # fmt: skip
+    for name, t in rows:
+        if t is not None and t.stride(-1) != 1:
+            raise ShapeError(
+                f"{name} must be contiguous in its last axis (stride 1), got strides {t.stride()}; pass .contiguous()"
+            )
 
 
 def check_out(q: torch.Tensor, out: torch.Tensor | None) -> None:

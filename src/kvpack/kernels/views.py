@@ -20,13 +20,20 @@ are 0 (the null block) and must never be read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvpack.errors import ShapeError, UnsupportedError
-from kvpack.formats import KVFormat
+from kvpack.formats import KVFormat, QuantSpec
+from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
-__all__ = ["PagedKV", "check_sink", "refuse_rotated"]
+__all__ = ["ROLES", "PagedKV", "Role", "refuse_rotated"]
+
+# The two halves of a view, named the same in every check and message.
+Role = Literal["key", "value"]
+ROLES: tuple[Role, Role] = ("key", "value")
+_TAIL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,151 @@ class PagedKV:
     def device(self) -> torch.device:
         return self.tail_k.device
 
+    def pools(self, role: Role) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(data, scale, zero)`` of ``role``: ``k_data, k_scale, k_zero`` or ``v_data, v_scale, v_zero``."""
+        if role == "key":
+            return self.k_data, self.k_scale, self.k_zero
+        return self.v_data, self.v_scale, self.v_zero
+
+    def spec(self, role: Role) -> QuantSpec:
+        """The format's spec of ``role``."""
+        return self.format.key if role == "key" else self.format.value
+
+    def reasons_invalid(self) -> list[str]:
+        """What makes this view inconsistent with its format, whatever backend reads it (empty list: nothing).
+
+        The format-level invariants, checked here once for every backend: each spec stores ``head_dim``; tails
+        ``[batch, H, B, D]`` of one float dtype; ``block_tables`` / ``seq_lens`` / ``start_pos`` int32 of the
+        documented shapes; payload, scale and zero-point pools of the shape and dtype the format stores, with
+        one block count; outlier pools present exactly when the key spec keeps outlier channels, of its
+        shape; sink rows both or neither, ``[batch, H, S, D]`` in the tail dtype, ``0 < S <= block_size``;
+        every tensor on one device. Layouts (strides) and the query are each backend's to check.
+        """
+        reasons: list[str] = []
+        d = self.head_dim
+        for role in ROLES:
+            reasons += [f"{role}: {r}" for r in self.spec(role).reasons_invalid(d)]
+        if self.seq_lens.dim() != 1 or self.seq_lens.dtype != torch.int32:
+            reasons.append(f"seq_lens must be [batch] int32, got {tuple(self.seq_lens.shape)} {self.seq_lens.dtype}")
+            return reasons  # no batch size to check the rest against
+        if self.tail_k.dim() != 4:
+            reasons.append(f"tails must be [batch, H, B, D], got {tuple(self.tail_k.shape)}")
+            return reasons  # no kv_heads to check the rest against
+        batch, h, b = self.batch, self.kv_heads, self.block_size
+        want = (batch, h, b, d)
+        if tuple(self.tail_k.shape) != want or tuple(self.tail_v.shape) != want:
+            reasons.append(f"tails must be {list(want)}, got {tuple(self.tail_k.shape)} / {tuple(self.tail_v.shape)}")
+        if self.tail_v.dtype != self.tail_k.dtype or self.tail_k.dtype not in _TAIL_DTYPES:
+            reasons.append(
+                f"tail_k and tail_v must share one of float16/bfloat16/float32, got {self.tail_k.dtype} and "
+                f"{self.tail_v.dtype}"
+            )
+        t = self.block_tables
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != batch:
+            reasons.append(f"block_tables must be [batch={batch}, max_blocks] int32, got {tuple(t.shape)} {t.dtype}")
+        s = self.start_pos
+        if s is not None and (s.dtype != torch.int32 or tuple(s.shape) != (batch,)):
+            reasons.append(f"start_pos must be [batch={batch}] int32, got {tuple(s.shape)} {s.dtype}")
+        for role in ROLES:
+            reasons += self._pool_reasons(role)
+        if self.v_data.dim() == 4 and self.k_data.dim() == 4 and self.v_data.shape[0] != self.k_data.shape[0]:
+            reasons.append(
+                f"key and value pools differ in blocks: k_data has {self.k_data.shape[0]}, v_data {self.v_data.shape[0]}"
+            )
+        reasons += self._outlier_reasons() + self._sink_reasons()
+        if self.key_rotation is not None and tuple(self.key_rotation.shape) != (d, d):
+            reasons.append(f"key_rotation must be [{d}, {d}], got {tuple(self.key_rotation.shape)}")
+        where = {t.device for t in self._tensors()}
+        if len(where) > 1:
+            reasons.append(
+                f"every tensor of the view must be on one device, found {sorted(map(str, where))}; move them together"
+            )
+        return reasons
+
+    def check(self) -> None:
+        """Raise :class:`ShapeError` naming everything :meth:`reasons_invalid` finds wrong (nothing: returns)."""
+        reasons = self.reasons_invalid()
+        if reasons:
+            raise ShapeError(f"the view does not match its format {self.format.name}: " + "; ".join(reasons))
+
+    def _pool_reasons(self, role: Role) -> list[str]:
+        spec, (data, scale, zero) = self.spec(role), self.pools(role)
+        h, b, d = self.kv_heads, self.block_size, self.head_dim
+        p = role[0]  # the attributes' prefix: k_data, v_scale, ...
+        reasons = []
+        want = payload_torch_dtype(spec)
+        if data.dtype != want:
+            reasons.append(
+                f"{p}_data: {role} payload dtype {data.dtype} does not match format {spec} (expected {want})"
+            )
+        if data.dim() != 4 or tuple(data.shape[1:]) != (h, b, spec.packed_head_dim(d)):
+            reasons.append(
+                f"{p}_data ({role} payload) must be [num_blocks, {h}, {b}, {spec.packed_head_dim(d)}], "
+                f"got {tuple(data.shape)}"
+            )
+        shape = spec.scale_shape(h, b, d)
+        if shape is None:
+            return reasons
+        stored = [("scale", scale, spec.scale_dtype)] + ([("zero", zero, spec.zero_dtype)] if spec.has_zero else [])
+        for what, t, dt in stored:
+            name = f"{p}_{what} ({role} {what})"
+            if t is None:
+                reasons.append(f"{name} is missing: format {spec} stores one per {spec.granularity.name}")
+            elif t.dim() != 4 or tuple(t.shape[1:]) != shape or t.dtype != scale_torch_dtype(dt):
+                reasons.append(
+                    f"{name} must be [num_blocks, {', '.join(map(str, shape))}] {scale_torch_dtype(dt)}, "
+                    f"got {tuple(t.shape)} {t.dtype}"
+                )
+            elif data.dim() == 4 and t.shape[0] != data.shape[0]:
+                reasons.append(f"{name} has {t.shape[0]} blocks but {p}_data has {data.shape[0]}")
+        return reasons
+
+    def _outlier_reasons(self) -> list[str]:
+        r, i, n = self.k_outlier, self.k_outlier_idx, self.format.key.outliers
+        if (r is None) != (i is None):
+            return ["k_outlier and k_outlier_idx come together: pass both residuals and channel indices, or neither"]
+        if r is None:
+            return [f"the key spec keeps {n} outlier channels: pass k_outlier and k_outlier_idx"] if n else []
+        if not n:
+            return ["the key spec keeps no outlier channels: k_outlier and k_outlier_idx must be None"]
+        reasons = []
+        nb, h, b = self.k_data.shape[0], self.kv_heads, self.block_size
+        if tuple(r.shape) != (nb, h, b, n) or r.dtype != torch.float16:
+            reasons.append(f"k_outlier must be [{nb}, {h}, {b}, {n}] float16, got {tuple(r.shape)} {r.dtype}")
+        if tuple(i.shape) != (nb, h, n) or i.dtype not in (torch.uint8, torch.int16):
+            reasons.append(
+                f"k_outlier_idx must be [{nb}, {h}, {n}] uint8 (int16 past head_dim 256), got {tuple(i.shape)} {i.dtype}"
+            )
+        return reasons
+
+    def _sink_reasons(self) -> list[str]:
+        if (self.sink_k is None) != (self.sink_v is None):
+            return ["sink_k and sink_v come together: pass both full-precision sink rows, or both None"]
+        if self.sink_k is None:
+            return []
+        n = self.sink_k.shape[2] if self.sink_k.dim() == 4 else -1
+        want = (self.batch, self.kv_heads, n, self.head_dim)
+        reasons = []
+        for name, t in (("sink_k", self.sink_k), ("sink_v", self.sink_v)):
+            if tuple(t.shape) != want or n < 1 or t.dtype != self.tail_k.dtype:
+                reasons.append(
+                    f"{name} must be [batch={self.batch}, H={self.kv_heads}, S, D={self.head_dim}] in the tail dtype "
+                    f"({self.tail_k.dtype}), S > 0 the same for both, got {tuple(t.shape)} {t.dtype}"
+                )
+        if n > self.block_size:
+            reasons.append(
+                f"sink_k holds {n} positions, more than block_size={self.block_size}: a sink keeps at most one block "
+                "(S <= block_size)"
+            )
+        return reasons
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the view but ``key_rotation`` (the dispatcher moves that one to the query)."""
+        ts = (self.k_data, self.k_scale, self.k_zero, self.v_data, self.v_scale, self.v_zero, self.block_tables,
+              self.seq_lens, self.tail_k, self.tail_v, self.start_pos, self.k_outlier, self.k_outlier_idx,
+              self.sink_k, self.sink_v)  # fmt: skip
+        return [t for t in ts if t is not None]
+
 
 def refuse_rotated(kv: PagedKV) -> None:
     """Raise :class:`UnsupportedError` for a view of rotated keys: a fused backend called directly would read
@@ -125,26 +277,4 @@ def refuse_rotated(kv: PagedKV) -> None:
             "this view stores rotated keys (key_rotation): call kvpack.kernels.decode_attention, which rotates "
             "the query, instead of the backend directly",
             ["rotated keys need a rotated query"],
-        )
-
-
-def check_sink(kv: PagedKV) -> None:
-    """Raise :class:`ShapeError` unless ``sink_k`` / ``sink_v`` are both ``None`` or both ``[batch, H, S, D]``
-    in the tail dtype with ``0 < S <= block_size``."""
-    if (kv.sink_k is None) != (kv.sink_v is None):
-        raise ShapeError("sink_k and sink_v come together: pass both full-precision sink rows, or both None")
-    if kv.sink_k is None:
-        return
-    n = kv.sink_k.shape[2] if kv.sink_k.dim() == 4 else -1
-    want = (kv.batch, kv.kv_heads, n, kv.head_dim)
-    for name, t in (("sink_k", kv.sink_k), ("sink_v", kv.sink_v)):
-        if tuple(t.shape) != want or n < 1 or t.dtype != kv.tail_k.dtype:
-            raise ShapeError(
-                f"{name} must be [batch={kv.batch}, H={kv.kv_heads}, S, D={kv.head_dim}] in the tail dtype "
-                f"({kv.tail_k.dtype}), S > 0 the same for both, got {tuple(t.shape)} {t.dtype}"
-            )
-    if n > kv.block_size:
-        raise ShapeError(
-            f"sink_k holds {n} positions, more than block_size={kv.block_size}: a sink keeps at most one block "
-            "(S <= block_size)"
         )
