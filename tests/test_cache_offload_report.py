@@ -130,10 +130,10 @@ def test_actual_usage_matches_the_formula(fmt, tail_dtype):
     assert t.live_tokens == L * sum(lens.values())
     # every allocated byte is in exactly one bucket
     allocated = sum(p.numel() * p.element_size() for p in cache.storage.pools().values())
-    allocated += 2 * cache._tail_k.numel() * cache._tail_k.element_size()
+    allocated += 2 * cache.slots.tail_k.numel() * cache.slots.tail_k.element_size()
     sink = cache.format.sink
     assert sink == (0 if fmt.startswith("k=") else 1)  # every quantized preset keeps sink=1
-    slots = cache._tail_k.shape[1]  # one sink slot beside every tail slot
+    slots = cache.slots.tail_k.shape[1]  # one sink slot beside every tail slot
     allocated += 2 * L * slots * H * sink * D * elem  # the sink buffers: K and V, [L, slots, H, S, D], tail dtype
     assert t.sink_bytes == len(lens) * L * 2 * H * sink * D * elem  # one per live sequence and layer
     assert t.allocated_bytes == allocated

@@ -24,11 +24,11 @@ H, D = 2, 32
 def snapshot(cache):
     """Everything observable, cloned: pools, tails, tables, lengths, pool counts."""
     state = {name: t.clone() for name, t in cache.storage.pools().items()}
-    state["tail_k"], state["tail_v"] = cache._tail_k.clone(), cache._tail_v.clone()
-    state["tables"], state["lens"] = cache._tables.clone(), cache._lens.clone()
+    state["tail_k"], state["tail_v"] = cache.slots.tail_k.clone(), cache.slots.tail_v.clone()
+    state["tables"], state["lens"] = cache.slots.tables.clone(), cache.slots.lens.clone()
     state["refs"] = torch.tensor(cache.pool.ref_counts())
     state["counts"] = torch.tensor([cache.pool.num_free, cache.pool.num_cached])
-    state["blocks"] = {s: list(cache._seqs[s].blocks) for s in cache.seq_ids}
+    state["blocks"] = {s: list(cache.slots.seqs[s].blocks) for s in cache.seq_ids}
     return state
 
 
@@ -180,7 +180,7 @@ def test_views_are_slices_for_consecutive_slots_and_copies_otherwise():
     for layer in range(2):
         cache.append(layer, [a, b, c], x, x)
     kv = cache.view(1, [a, b, c])
-    assert kv.tail_k.data_ptr() == cache._tail_k[1].data_ptr()  # no copy
+    assert kv.tail_k.data_ptr() == cache.slots.tail_k[1].data_ptr()  # no copy
     assert cache.view(1, [a, b, c]) is kv  # cached
     assert kv.block_tables.dtype == torch.int32 and kv.seq_lens.dtype == torch.int32
     assert kv.seq_lens.tolist() == [5, 5, 5]
@@ -189,7 +189,7 @@ def test_views_are_slices_for_consecutive_slots_and_copies_otherwise():
         cache.append(layer, [a, b, c], y, y)
     assert kv.seq_lens.tolist() == [6, 6, 6] and float(kv.tail_k[2, 0, 5, 0]) == 7.0  # live on the CPU
     rev = cache.view(1, [c, a])
-    assert rev.tail_k.data_ptr() != cache._tail_k[1].data_ptr()
+    assert rev.tail_k.data_ptr() != cache.slots.tail_k[1].data_ptr()
     assert rev.tail_k[:, 0, 0, 0].tolist() == [2.0, 0.0]  # rows in seq_ids order
     assert rev.seq_lens.tolist() == [6, 6]
 
@@ -360,7 +360,7 @@ def test_seal_backend_choice():
     with pytest.raises(ConfigError, match="seal_backend"):
         PagedKVCache("int8", 1, H, D, 4, seal_backend="cuda")
     cache = PagedKVCache("int8", 1, H, D, 4, seal_backend="triton")
-    cache._seal_reasons[(cache.format.key, torch.float32, torch.device("cpu"))] = ["pretend: no GPU"]
+    cache.seal_state.triton_reasons[(cache.format.key, torch.float32, torch.device("cpu"))] = ["pretend: no GPU"]
     sid = cache.add_sequence()
     before = snapshot(cache)
     x = torch.randn(1, H, 64, D)

@@ -51,9 +51,10 @@ class ModelSeq:
 
 def snapshot(cache):
     state = {name: t.clone() for name, t in cache.storage.pools().items()}
-    state.update(tk=cache._tail_k.clone(), tv=cache._tail_v.clone(), tables=cache._tables.clone())
-    state.update(lens=cache._lens.clone(), refs=torch.tensor(cache.pool.ref_counts()))
-    return state, cache.pool.num_free, cache.pool.num_cached, {s: list(cache._seqs[s].blocks) for s in cache.seq_ids}
+    state.update(tk=cache.slots.tail_k.clone(), tv=cache.slots.tail_v.clone(), tables=cache.slots.tables.clone())
+    state.update(lens=cache.slots.lens.clone(), refs=torch.tensor(cache.pool.ref_counts()))
+    blocks = {s: list(cache.slots.seqs[s].blocks) for s in cache.seq_ids}
+    return state, cache.pool.num_free, cache.pool.num_cached, blocks
 
 
 def assert_unchanged(before, after):
@@ -272,7 +273,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         assert self.cache.problems() == []
-        elem = self.cache._tail_k.element_size()
+        elem = self.cache.slots.tail_k.element_size()
         theory = sum(self.fmt.bytes_for_tokens(m.n - m.released * B, H, D, L, elem) for m in self.seqs.values())
         t = self.cache.memory_report().total
         if not self.fmt.is_passthrough:

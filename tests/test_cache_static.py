@@ -181,7 +181,7 @@ def test_prefix_keys_differ_with_different_scales():
     k, v = torch.rand(1, H, len(tokens), D) - 0.5, torch.randn(1, H, len(tokens), D)
     sid = cache.add_sequence(tokens)
     _fill(cache, [sid], k, v, [len(tokens)])
-    assert cache._seqs[sid].keys == keys[0]
+    assert cache.slots.seqs[sid].keys == keys[0]
     assert cache.cached_prefix_len(cache.add_sequence(tokens)) == 2 * B
     assert cache.problems() == []
 

@@ -255,7 +255,7 @@ def test_cache_seals_payload_scales_residuals_and_indices():
     _fill(cache, sids, k, v, [B + 3, 1, 1, B, B])  # prefill, decode steps, chunks crossing seals
     st = cache.storage
     for row, sid in enumerate(sids):
-        ids = cache._seqs[sid].blocks
+        ids = cache.slots.seqs[sid].blocks
         blocks = k[row, :, : 3 * B].reshape(H, 3, B, D).transpose(0, 1)
         ob = quantize_outliers(blocks, FMT.key)
         for layer in range(L):
@@ -286,9 +286,10 @@ def test_fork_prefix_sharing_and_crop_keep_the_residuals():
     k, v = _kv(1, 2 * B + 3)
     _fill(cache, [a], k, v, [2 * B + 3])
     b = cache.fork(a)
-    assert cache._seqs[b].blocks == cache._seqs[a].blocks  # shared blocks share payload, residuals and indices
+    # shared blocks share payload, residuals and indices
+    assert cache.slots.seqs[b].blocks == cache.slots.seqs[a].blocks
     c = cache.add_sequence(list(range(2 * B + 3)))
-    assert cache.cached_prefix_len(c) == 2 * B and cache._seqs[c].blocks == cache._seqs[a].blocks[:2]
+    assert cache.cached_prefix_len(c) == 2 * B and cache.slots.seqs[c].blocks == cache.slots.seqs[a].blocks[:2]
     for layer in range(L):
         assert torch.equal(cache.dense(layer, b)[0], cache.dense(layer, a)[0])
     # crop inside the second sealed block: its kept tokens go back to the tail WITH the residuals
@@ -308,14 +309,14 @@ def test_offload_restore_bit_identical_with_residuals():
     sid = cache.add_sequence()
     k, v = _kv(1, 3 * B + 2)
     _fill(cache, [sid], k, v, [3 * B + 2])
-    before = {n: t[:, cache._seqs[sid].blocks].clone() for n, t in cache.storage.pools().items()}
+    before = {n: t[:, cache.slots.seqs[sid].blocks].clone() for n, t in cache.storage.pools().items()}
     assert {"k_outlier", "k_outlier_idx"} <= set(before)
     moved = cache.offload(sid)
     assert moved == 3 * L * FMT.block_bytes(H, D)
     assert cache.memory_report().total.host_bytes == moved
     assert cache.restore(sid) == moved
     for name, t in cache.storage.pools().items():
-        assert_bitexact(t[:, cache._seqs[sid].blocks], before[name], name)
+        assert_bitexact(t[:, cache.slots.seqs[sid].blocks], before[name], name)
     assert cache.problems() == []
 
 
@@ -349,7 +350,7 @@ def test_calibrated_channels_are_copied_into_every_block():
     k, v = _kv(1, 2 * B, seed=9)  # other outlier channels than the calibration's
     _fill(cache, [sid], k, v, [2 * B])
     _fill(seal_time, [other], k, v, [2 * B])
-    ids = cache._seqs[sid].blocks
+    ids = cache.slots.seqs[sid].blocks
     for layer in range(L):
         assert torch.equal(cache.storage.k_outlier_idx[layer, ids].long(), chans[layer].expand(2, H, 4))
         blocks = k[0, :, : 2 * B].reshape(H, 2, B, D).transpose(0, 1)
@@ -372,7 +373,7 @@ def test_static_scales_and_outliers_together():
     _fill(cache, [sid], k, v, [2 * B + 1])
     chans = artifact_outlier_channels(art, 4, L, H, D)
     scales = art.scales_for(fmt).key
-    ids = cache._seqs[sid].blocks
+    ids = cache.slots.seqs[sid].blocks
     for layer in range(L):
         blocks = k[0, :, : 2 * B].reshape(H, 2, B, D).transpose(0, 1)
         want = scales.layer(layer).scale.unsqueeze(0).expand(2, H, 1, D)
@@ -495,7 +496,7 @@ def test_hf_calibration_argument(tiny_llama, tmp_path):
         with torch.inference_mode():
             model(input_ids=torch.randint(0, 256, (1, B + 2), generator=g), **{kvpack.hf.cache_kwarg(model): cache})
         want = artifact_outlier_channels(art, 4, L, H, D)
-        blocks = cache.paged._seqs[cache.seq_ids[0]].blocks
+        blocks = cache.paged.slots.seqs[cache.seq_ids[0]].blocks
         assert torch.equal(cache.paged.storage.k_outlier_idx[:, blocks].long(), want.unsqueeze(1))
     # fail closed, before the model runs
     with pytest.raises(CalibrationError, match="static"):

@@ -304,7 +304,7 @@ def test_memory_report_equals_the_formula(tail):
     assert t.sink_bytes == len(lens) * L * fmt.sink_bytes(H, D, elem) == len(lens) * L * 2 * H * 3 * D * elem
     assert t.used_bytes + t.host_bytes == per_seq - t.shared_bytes
     allocated = sum(p.numel() * p.element_size() for p in cache.storage.pools().values())
-    allocated += 2 * cache._tail_k.numel() * elem + 2 * cache._sink_k.numel() * elem
+    allocated += 2 * cache.slots.tail_k.numel() * elem + 2 * cache.slots.sink_k.numel() * elem
     allocated += cache.prefix_sinks.nbytes()  # the sink rows kept for the registered first block
     assert cache.prefix_sinks.nbytes() == L * 2 * H * 3 * D * elem
     assert t.allocated_bytes == allocated

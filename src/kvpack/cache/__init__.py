@@ -7,8 +7,8 @@ prefix sharing, fork / crop, offload to a host tier, memory report.
 """
 
 from kvpack.cache.layered import LayeredKVCache
+from kvpack.cache.memory import LayerMemory, MemoryReport
 from kvpack.cache.paged import PagedKVCache
 from kvpack.cache.pool import NULL_BLOCK, BlockPool
-from kvpack.cache.report import LayerMemory, MemoryReport
 
 __all__ = ["NULL_BLOCK", "BlockPool", "LayerMemory", "LayeredKVCache", "MemoryReport", "PagedKVCache"]

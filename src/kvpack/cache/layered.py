@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from kvpack.cache.memory import LayerMemory, MemoryReport
 from kvpack.cache.paged import PagedKVCache
-from kvpack.cache.report import LayerMemory, MemoryReport
 from kvpack.errors import ConfigError, ShapeError
 from kvpack.formats import KVFormat
 from kvpack.kernels.views import PagedKV

@@ -10,15 +10,15 @@ their bytes are identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvpack.cache.pool import BlockPool
+from kvpack.cache.prefix import PrefixIndex
+from kvpack.cache.slots import SlotTable
+from kvpack.cache.storage import BlockStorage
 from kvpack.errors import SequenceError
-
-if TYPE_CHECKING:
-    from kvpack.cache.paged import PagedKVCache
 
 __all__ = ["HostTier", "offload", "restore"]
 
@@ -45,6 +45,9 @@ class HostTier:
     def put(self, sid: int, record: _Record) -> None:
         self._records[sid] = record
 
+    def get(self, sid: int) -> _Record:
+        return self._records[sid]
+
     def take(self, sid: int) -> _Record:
         return self._records.pop(sid)
 
@@ -61,51 +64,54 @@ class HostTier:
         return sum(len(r.logical) for r in self._records.values())
 
 
-def offload(cache: PagedKVCache, sid: int) -> int:
-    """See :meth:`PagedKVCache.offload`."""
-    seq = cache._seq(sid, allow_offloaded=True)
+def offload(table: SlotTable, pool: BlockPool, storage: BlockStorage, host: HostTier, sid: int) -> int:
+    """Move sequence ``sid``'s exclusively owned sealed blocks from ``pool`` and ``storage`` to ``host``;
+    returns bytes moved. See :meth:`kvpack.cache.PagedKVCache.offload`."""
+    seq = table.seq(sid, allow_offloaded=True)
     if seq.offloaded:
         raise SequenceError(f"sequence {sid} is already offloaded; call cache.restore({sid}) to bring it back")
-    lens = cache._lens_np[:, seq.slot]
+    lens = table.lens_np[:, seq.slot]
     if lens.min() != lens.max():
         raise SequenceError(
             f"sequence {sid} is mid-step (layers hold {int(lens.min())}..{int(lens.max())} tokens); append every "
             "layer before offloading it"
         )
-    pool = cache.pool
     logical = [j for j, blk in enumerate(seq.blocks) if blk and pool.ref_count(blk) == 1]
-    ids = torch.tensor([seq.blocks[j] for j in logical], dtype=torch.int64, device=cache.device)
-    parts = cache.storage.gather(ids)  # copies: [L, n, ...]
-    if cache.device.type != "cpu":
+    ids = torch.tensor([seq.blocks[j] for j in logical], dtype=torch.int64, device=table.device)
+    parts = storage.gather(ids)  # copies: [L, n, ...]
+    if table.device.type != "cpu":
         parts = {n: t.to("cpu").pin_memory() if torch.cuda.is_available() else t.to("cpu") for n, t in parts.items()}
     record = _Record(logical, parts)
-    cache.host.put(sid, record)
+    host.put(sid, record)
     for j in logical:
         pool.release(seq.blocks[j])
         seq.blocks[j] = 0
-        cache._tables_np[seq.slot, j] = 0
+        table.tables_np[seq.slot, j] = 0
     seq.offloaded = True
-    cache._layout_changed()
+    table.changed()
     return record.nbytes
 
 
-def restore(cache: PagedKVCache, sid: int) -> int:
-    """See :meth:`PagedKVCache.restore`."""
-    seq = cache._seq(sid, allow_offloaded=True)
+def restore(
+    table: SlotTable, pool: BlockPool, storage: BlockStorage, host: HostTier, prefix: PrefixIndex, sid: int
+) -> int:
+    """Bring sequence ``sid``'s blocks back from ``host`` into new blocks of ``pool`` and ``storage`` (their
+    prefix keys registered again through ``prefix``); returns bytes moved. See
+    :meth:`kvpack.cache.PagedKVCache.restore`."""
+    seq = table.seq(sid, allow_offloaded=True)
     if not seq.offloaded:
         raise SequenceError(f"sequence {sid} is not offloaded; nothing to restore")
-    record = cache.host._records[sid]
-    cache.pool.require(len(record.logical), f"restoring sequence {sid}")
-    record = cache.host.take(sid)
-    new = [cache.pool.allocate() for _ in record.logical]
-    cache.storage.scatter(torch.tensor(new, dtype=torch.int64, device=cache.device), record.parts)
+    pool.require(len(host.get(sid).logical), f"restoring sequence {sid}")
+    record = host.take(sid)
+    new = [pool.allocate() for _ in record.logical]
+    storage.scatter(torch.tensor(new, dtype=torch.int64, device=table.device), record.parts)
     for j, blk in zip(record.logical, new):
         seq.blocks[j] = blk
         if j < len(seq.keys) and j not in seq.impure:
-            cache.pool.register(blk, seq.keys[j])  # no-op when another block holds the key meanwhile
+            pool.register(blk, seq.keys[j])  # no-op when another block holds the key meanwhile
             if j == 0:
-                cache._keep_prefix_sink(seq)
-    cache._tables_np[seq.slot, : len(seq.blocks)] = np.asarray(seq.blocks, dtype=np.int32)
+                prefix.keep_sink(table, seq)
+    table.tables_np[seq.slot, : len(seq.blocks)] = np.asarray(seq.blocks, dtype=np.int32)
     seq.offloaded = False
-    cache._layout_changed()
+    table.changed()
     return record.nbytes

@@ -1,10 +1,14 @@
 """The write path of :class:`~kvpack.cache.PagedKVCache`: append, seal, scatter.
 
+:func:`append` takes the cache's parts: its :class:`~kvpack.cache.config.CacheConfig`, the
+:class:`~kvpack.cache.slots.SlotTable` (tails, sinks, lengths, block tables), the block pool, the packed
+pools, the prefix index (sealed blocks get their keys) and a :class:`SealState`.
+
 Plain tensor code over the whole batch: index arrays are built with numpy (one entry per written token or
 sealed block, never a Python loop over tokens or elements), tensors move with one gather / scatter per
 kind, and every block sealed by the call is quantized in one :func:`kvpack.quant.quantize` call for keys
 and one for values (:func:`kvpack.calibration.seal_with_static` for a ``static`` spec, whose clipped
-count goes to ``cache.clip_monitor`` after the commit; :func:`seal_outliers` for keys with outlier
+count goes to ``SealState.clip_monitor`` after the commit; :func:`seal_outliers` for keys with outlier
 channels, whose residuals and indices are written next to the payload). All checks and the quantization
 run before the first write, so an error leaves the cache as it was.
 
@@ -17,45 +21,63 @@ tail at slot ``p - s * B``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kvpack.calibration.static import LayerScales, seal_with_static
+from kvpack.cache.config import CacheConfig
+from kvpack.cache.pool import BlockPool
+from kvpack.cache.prefix import PrefixIndex
+from kvpack.cache.slots import Batch, SlotTable
+from kvpack.cache.storage import BlockStorage
+from kvpack.calibration.static import ClipMonitor, LayerScales, seal_with_static
 from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
+from kvpack.formats import QuantSpec
 from kvpack.outliers import check_channels, outlier_mask, outlier_residual, quantize_kept, seal_time_channels
 from kvpack.quant import QuantizedTensor, _raise_non_finite, all_finite, quantize
 from kvpack.rotation import rotate
 
-if TYPE_CHECKING:
-    from kvpack.cache.paged import PagedKVCache, _Rows
-
-__all__ = ["append"]
+__all__ = ["SealState", "append", "seal", "seal_outliers"]
 
 
-def _check_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
-    expected = f"[batch={batch}, kv_heads={cache.kv_heads}, T>=1, head_dim={cache.head_dim}]"
+@dataclass
+class SealState:
+    """What sealing keeps from one append to the next.
+
+    Attributes:
+        clip_monitor: counts of static sealing per layer (the drift detector).
+        triton_reasons: ``(spec, dtype, device) -> reasons`` the Triton seal cannot quantize such blocks
+            (empty: it can), asked once per key.
+    """
+
+    clip_monitor: ClipMonitor
+    triton_reasons: dict[tuple, list[str]] = field(default_factory=dict)
+
+
+def _check_kv(config: CacheConfig, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+    expected = f"[batch={batch}, kv_heads={config.kv_heads}, T>=1, head_dim={config.head_dim}]"
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor {expected}, got {type(x).__name__}")
-        if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != cache.kv_heads or x.shape[3] != cache.head_dim:
+        if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != config.kv_heads or x.shape[3] != config.head_dim:
             raise ShapeError(f"{name} must have shape {expected}, got {tuple(x.shape)}")
         if x.shape[2] < 1:
             raise ShapeError(f"{name} holds no token (T = 0); expected {expected}")
         if not x.is_floating_point():
             raise ShapeError(f"{name} must be a floating-point tensor (float32, float16, bfloat16), got {x.dtype}")
-        if x.device != cache.device:
-            raise ShapeError(f"{name} is on {x.device} but the cache lives on {cache.device}; move it there first")
+        if x.device != config.device:
+            raise ShapeError(f"{name} is on {x.device} but the cache lives on {config.device}; move it there first")
     if k.shape != v.shape:
         raise ShapeError(f"k and v must have the same shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def _check_step(cache: PagedKVCache, layer: int, rows: _Rows, n_old: np.ndarray, t: int) -> None:
+def _check_step(table: SlotTable, layer: int, rows: Batch, n_old: np.ndarray, t: int) -> None:
     """Layer 0 starts a step with every layer in step; the others follow up to layer 0's length."""
-    if cache.num_layers == 1:
+    lens = table.lens_np
+    if lens.shape[0] == 1:
         return
-    lens = cache._lens_np
     if layer == 0:
         bad = lens[1:, rows.slots] != n_old
         if bad.any():
@@ -76,13 +98,13 @@ def _check_step(cache: PagedKVCache, layer: int, rows: _Rows, n_old: np.ndarray,
             )
 
 
-def _window_releases(cache: PagedKVCache, rows: _Rows, n_old: np.ndarray) -> list[tuple[int, int]]:
+def _window_releases(config: CacheConfig, rows: Batch, n_old: np.ndarray) -> list[tuple[int, int]]:
     """``(row, new released count)`` for rows with blocks that left every layer's window.
 
     Block ``j`` is released once ``(j + 1) * B <= n_old - W + 1``: no query of this step (the earliest
     is at ``n_old``) or later attends it.
     """
-    cut = np.maximum(n_old - cache.release_window + 1, 0) // cache.block_size
+    cut = np.maximum(n_old - config.release_window + 1, 0) // config.block_size
     return [(int(i), int(cut[i])) for i in np.nonzero(cut > [s.released for s in rows.seqs])[0]]
 
 
@@ -121,24 +143,24 @@ def _gather_blocks(
     return torch.cat([first, rest.transpose(1, 2)])
 
 
-def _seal_reasons(cache: PagedKVCache, blocks: torch.Tensor, spec) -> list[str]:
+def _seal_reasons(state: SealState, blocks: torch.Tensor, spec: QuantSpec) -> list[str]:
     """Why the Triton seal cannot quantize these blocks (cached per spec, dtype and device)."""
     key = (spec, blocks.dtype, blocks.device)
-    reasons = cache._seal_reasons.get(key)
+    reasons = state.triton_reasons.get(key)
     if reasons is None:
-        try:
+        try:  # triton is optional: imported only when a seal may use it
             from kvpack.kernels import triton_seal
 
             reasons = list(triton_seal.reasons_unsupported(blocks, spec))
         except ImportError as e:
             reasons = [f"the Triton seal is not installed ({e}); pip install 'kvpack[triton]'"]
-        cache._seal_reasons[key] = reasons
+        state.triton_reasons[key] = reasons
     return reasons
 
 
 def seal_outliers(
     blocks: torch.Tensor,
-    spec,
+    spec: QuantSpec,
     scales: LayerScales | None = None,
     channels: torch.Tensor | None = None,
 ) -> tuple[QuantizedTensor, int, tuple[torch.Tensor, torch.Tensor]]:
@@ -169,9 +191,10 @@ def seal_outliers(
 
 
 def seal(
-    cache: PagedKVCache, blocks: torch.Tensor, spec, scales: LayerScales | None = None
+    backend: str, state: SealState, blocks: torch.Tensor, spec: QuantSpec, scales: LayerScales | None = None
 ) -> tuple[QuantizedTensor, int]:
-    """Quantize ``[n, H, B, D]`` full blocks with the cache's seal backend (the same bytes either way).
+    """Quantize ``[n, H, B, D]`` full blocks with seal backend ``backend`` (``"auto"``, ``"torch"`` or
+    ``"triton"``; the same bytes either way).
 
     A ``static`` spec is sealed with ``scales`` (one layer's calibrated scales) by
     :func:`~kvpack.calibration.seal_with_static`, always in torch (the Triton seal chooses block-local
@@ -180,10 +203,9 @@ def seal(
     """
     if spec.static:
         return seal_with_static(blocks, spec, scales)
-    backend = cache.seal_backend
     if spec.is_passthrough or backend == "torch" or (backend == "auto" and not blocks.is_cuda):
         return quantize(blocks, spec), 0
-    reasons = _seal_reasons(cache, blocks, spec)
+    reasons = _seal_reasons(state, blocks, spec)
     if not reasons:
         from kvpack.kernels.triton_seal import seal_blocks
 
@@ -195,14 +217,14 @@ def seal(
     return quantize(blocks, spec), 0
 
 
-def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b):
+def _quantize(config: CacheConfig, state: SealState, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b):
     """``(qt, clipped, outlier)`` of the blocks being sealed; ``outlier`` is ``(residual, idx)`` or ``None``."""
-    scales = getattr(cache.calibration, what).layer(layer) if spec.static else None
+    scales = getattr(config.calibration, what).layer(layer) if spec.static else None
     try:
         if spec.has_outliers:
-            channels = None if cache.outlier_channels is None else cache.outlier_channels[layer]
+            channels = None if config.outlier_channels is None else config.outlier_channels[layer]
             return seal_outliers(blocks, spec, scales, channels)
-        return (*seal(cache, blocks, spec, scales), None)
+        return (*seal(config.seal_backend, state, blocks, spec, scales), None)
     except NonFiniteError as e:
         where = []
         for w in e.where:
@@ -219,7 +241,7 @@ def _quantize(cache, blocks, spec, what, layer, rows, n_old, pair_row, pair_j, b
         ) from None
 
 
-def _raise_non_finite_append(cache: PagedKVCache, layer: int, rows: _Rows, n_old: np.ndarray, *pairs) -> None:
+def _raise_non_finite_append(config: CacheConfig, layer: int, rows: Batch, n_old: np.ndarray, *pairs) -> None:
     """The :class:`NonFiniteError` of an append whose keys or values (``(given, as stored)`` pairs, each
     ``[batch, H, T, D]``) are not finite once in the tail dtype; names the first place and the cause."""
     for what, (given, stored) in zip(("key", "value"), pairs):
@@ -235,7 +257,7 @@ def _raise_non_finite_append(cache: PagedKVCache, layer: int, rows: _Rows, n_old
         if bool(torch.isfinite(given).all()):
             top = float(given.abs().max())
             raise NonFiniteError(
-                f"{what} at {at} overflows the cache's {str(cache.tail_dtype).replace('torch.', '')} tail (largest "
+                f"{what} at {at} overflows the cache's {str(config.tail_dtype).replace('torch.', '')} tail (largest "
                 f"magnitude {top:.4g}); nothing was stored. Create the cache with tail_dtype=torch.float32 or "
                 "torch.bfloat16, or scale the inputs down",
                 where,
@@ -247,30 +269,49 @@ def _raise_non_finite_append(cache: PagedKVCache, layer: int, rows: _Rows, n_old
         )
 
 
-def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
-    """See :meth:`PagedKVCache.append`."""
-    layer = cache._check_layer(layer)
-    rows = cache._rows(seq_ids)
-    _check_kv(cache, k, v, len(rows.seqs))
+def append(
+    config: CacheConfig,
+    table: SlotTable,
+    pool: BlockPool,
+    storage: BlockStorage,
+    prefix: PrefixIndex,
+    state: SealState,
+    layer: int,
+    seq_ids: Sequence[int] | torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Append ``T`` new tokens to each sequence of a batch in one layer; full tails are sealed.
+
+    Args:
+        config: the cache's config; ``table``, ``pool``, ``storage``, ``prefix``, ``state``: its parts.
+        layer, seq_ids: the layer and ``batch`` distinct live sequence ids.
+        k, v: ``[batch, kv_heads, T, head_dim]`` keys (after RoPE) and values, floating point, on the cache
+            device, ``T >= 1``.
+
+    See :meth:`kvpack.cache.PagedKVCache.append` (errors are raised before anything changes).
+    """
+    layer = config.check_layer(layer)
+    rows = table.batch(seq_ids)
+    _check_kv(config, k, v, len(rows.seqs))
     t_new = k.shape[2]
-    b = cache.block_size
+    b = config.block_size
     slots = rows.slots
-    n_old = cache._lens_np[layer, slots].astype(np.int64)
-    _check_step(cache, layer, rows, n_old, t_new)
+    n_old = table.lens_np[layer, rows.slots].astype(np.int64)
+    _check_step(table, layer, rows, n_old, t_new)
     k_in = k
-    if cache.key_rotation is not None:  # stored keys are k @ R (a NaN spreads over its token's channels)
-        k = rotate(k, cache.key_rotation)
-    kc = k if k.dtype == cache.tail_dtype else k.to(cache.tail_dtype)
-    vc = v if v.dtype == cache.tail_dtype else v.to(cache.tail_dtype)
+    if config.key_rotation is not None:  # stored keys are k @ R (a NaN spreads over its token's channels)
+        k = rotate(k, config.key_rotation)
+    kc = k if k.dtype == config.tail_dtype else k.to(config.tail_dtype)
+    vc = v if v.dtype == config.tail_dtype else v.to(config.tail_dtype)
     # the tail is read in full precision by every kernel: refuse NaN/inf (or an overflow of the tail dtype)
     # here, before anything is stored, exactly as sealing would
     if not (all_finite(kc) and all_finite(vc)):
-        _raise_non_finite_append(cache, layer, rows, n_old, (k_in, kc), (v, vc))
+        _raise_non_finite_append(config, layer, rows, n_old, (k_in, kc), (v, vc))
     r = n_old % b
     s = (r + t_new) // b
     sealing = np.nonzero(s)[0]
-    releases = _window_releases(cache, rows, n_old) if layer == 0 and cache.release_window is not None else []
-    pool = cache.pool
+    releases = _window_releases(config, rows, n_old) if layer == 0 and config.release_window is not None else []
 
     # -- plan and quantize: nothing is written before this block completes --------------------------
     if sealing.size:
@@ -286,12 +327,12 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
                     f"{pool.num_available + returning} of {pool.num_blocks - 1} are available; nothing was changed. "
                     "Free, crop or offload sequences, or create the cache with more num_blocks"
                 )
-        tail_k, tail_v = cache._tail_k[layer], cache._tail_v[layer]
+        tail_k, tail_v = table.tail_k[layer], table.tail_v[layer]
         blocks_k = _gather_blocks(tail_k, kc, slots, r, sealing, pair_row, pair_j)
         blocks_v = _gather_blocks(tail_v, vc, slots, r, sealing, pair_row, pair_j)
         args = (layer, rows, n_old, pair_row, pair_j, b)
-        kq, clipped_k, k_outlier = _quantize(cache, blocks_k, cache.format.key, "key", *args)
-        vq, clipped_v, _ = _quantize(cache, blocks_v, cache.format.value, "value", *args)
+        kq, clipped_k, k_outlier = _quantize(config, state, blocks_k, config.format.key, "key", *args)
+        vq, clipped_v, _ = _quantize(config, state, blocks_v, config.format.value, "value", *args)
 
     # -- commit -------------------------------------------------------------------------------------
     for i, cut in releases:
@@ -299,11 +340,11 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
         for j in range(seq.released, cut):
             pool.release(seq.blocks[j])
             seq.blocks[j] = 0
-        cache._tables_np[seq.slot, seq.released : cut] = 0
+        table.tables_np[seq.slot, seq.released : cut] = 0
         seq.released = cut
     if sealing.size:
-        cache._ensure_width(int(logical.max()) + 1)
-        tables = cache._tables_np
+        table.ensure_width(int(logical.max()) + 1)
+        tables = table.tables_np
         ids = []
         for i, lb in zip(pair_row.tolist(), logical.tolist()):
             seq = rows.seqs[i]
@@ -311,35 +352,35 @@ def append(cache: PagedKVCache, layer: int, seq_ids, k: torch.Tensor, v: torch.T
                 seq.blocks.append(pool.allocate())
                 tables[seq.slot, lb] = seq.blocks[lb]
             ids.append(seq.blocks[lb])
-        cache.storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=cache.device), kq, vq, k_outlier)
-    _write_tails(cache, layer, rows, kc, vc, r, s)
-    if cache.sink and (n_old < cache.sink).any():
-        _write_sink(cache, layer, rows, kc, vc, n_old)
-    cache._lens_np[layer, slots] += t_new
+        storage.write(layer, torch.tensor(ids, dtype=torch.int64, device=config.device), kq, vq, k_outlier)
+    _write_tails(table, layer, rows, kc, vc, r, s)
+    if config.sink and (n_old < config.sink).any():
+        _write_sink(table, layer, rows, kc, vc, n_old)
+    table.lens_np[layer, rows.slots] += t_new
     for i in sealing.tolist():
-        cache._register(rows.seqs[i])
-    if sealing.size and cache.calibration is not None:  # last: the append is complete even if the warning raises
-        fmt = cache.format
+        prefix.register(table, rows.seqs[i])
+    if sealing.size and config.calibration is not None:  # last: the append is complete even if the warning raises
+        fmt = config.format
         sealed = blocks_k.numel() * fmt.key.static + blocks_v.numel() * fmt.value.static
-        cache.clip_monitor.record(layer, clipped_k + clipped_v, sealed)
+        state.clip_monitor.record(layer, clipped_k + clipped_v, sealed)
 
 
-def _write_sink(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, n_old: np.ndarray) -> None:
+def _write_sink(table: SlotTable, layer: int, rows: Batch, kc, vc, n_old: np.ndarray) -> None:
     """Appended positions ``p < S`` also go to the sink buffer ``[slots, H, S, D]`` (keys as the tail holds
     them: rotated when the key spec rotates, in the tail dtype)."""
     t_new = kc.shape[2]
     p = n_old[:, None] + np.arange(t_new)  # [batch, T] positions of the new tokens
-    ri, ti = np.nonzero(p < cache.sink)
+    ri, ti = np.nonzero(p < table.sink_k.shape[3])
     dev = kc.device
     ri_t, ti_t = torch.from_numpy(ri).to(dev), torch.from_numpy(ti).to(dev)
     slot_t, pos_t = torch.from_numpy(rows.slots[ri]).to(dev), torch.from_numpy(p[ri, ti]).to(dev)
-    cache._sink_k[layer][slot_t, :, pos_t] = kc[ri_t, :, ti_t]
-    cache._sink_v[layer][slot_t, :, pos_t] = vc[ri_t, :, ti_t]
+    table.sink_k[layer][slot_t, :, pos_t] = kc[ri_t, :, ti_t]
+    table.sink_v[layer][slot_t, :, pos_t] = vc[ri_t, :, ti_t]
 
 
-def _write_tails(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, r: np.ndarray, s: np.ndarray) -> None:
+def _write_tails(table: SlotTable, layer: int, rows: Batch, kc, vc, r: np.ndarray, s: np.ndarray) -> None:
     """Tokens past the sealed blocks go to the tails (slot ``p - s * B``)."""
-    tail_k, tail_v = cache._tail_k[layer], cache._tail_v[layer]
+    tail_k, tail_v = table.tail_k[layer], table.tail_v[layer]
     dev = kc.device
     t_new = kc.shape[2]
     if t_new == 1:  # decode: one token per row, at slot r of every row that did not seal
@@ -357,7 +398,7 @@ def _write_tails(cache: PagedKVCache, layer: int, rows: _Rows, kc, vc, r: np.nda
             return
         ri, ti, off = keep, np.zeros_like(keep), r[keep]
     else:
-        cut = s * cache.block_size
+        cut = s * table.block_size
         p = r[:, None] + np.arange(t_new)
         ri, ti = np.nonzero(p >= cut[:, None])
         off = p[ri, ti] - cut[ri]

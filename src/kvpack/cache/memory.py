@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpack.cache.paged import PagedKVCache
+from kvpack.cache.config import CacheConfig
+from kvpack.cache.offload import HostTier
+from kvpack.cache.pool import BlockPool
+from kvpack.cache.sink import PrefixSinks
+from kvpack.cache.slots import SlotTable
+from kvpack.cache.storage import BlockStorage
+from kvpack.calibration.static import ClipMonitor
 
 __all__ = ["LayerMemory", "MemoryReport", "memory_report", "problems"]
 
@@ -122,31 +126,38 @@ class MemoryReport:
         return "\n".join(lines + self.notes)
 
 
-def memory_report(cache: PagedKVCache) -> MemoryReport:
-    """See :meth:`PagedKVCache.memory_report`."""
-    pool = cache.pool
+def memory_report(
+    config: CacheConfig,
+    table: SlotTable,
+    pool: BlockPool,
+    storage: BlockStorage,
+    host: HostTier,
+    prefix_sinks: PrefixSinks,
+    clip_monitor: ClipMonitor,
+) -> MemoryReport:
+    """The memory of a cache, from its parts. See :meth:`kvpack.cache.PagedKVCache.memory_report`."""
     refs = pool.ref_counts()
     used = sum(1 for r in refs if r > 0)
     shared_refs = sum(r - 1 for r in refs if r > 1)
     cached, free = pool.num_cached, pool.num_free
-    payload, scale, outlier = cache.storage.block_nbytes()
+    payload, scale, outlier = storage.block_nbytes()
     block = payload + scale + outlier
-    h, b, d = cache.kv_heads, cache.block_size, cache.head_dim
-    tail_slot = 2 * h * b * d * cache._tail_k.element_size()
-    slots = cache._tail_k.shape[1]
-    nseq = len(cache._seqs)
-    elem = cache._tail_k.element_size()
-    host_blocks = cache.host.num_blocks()
+    h, b, d = config.kv_heads, config.block_size, config.head_dim
+    elem = table.tail_k.element_size()
+    tail_slot = 2 * h * b * d * elem
+    slots = table.num_slots
+    nseq = len(table.seqs)
+    host_blocks = host.num_blocks()
     host_per_layer = host_blocks * block
-    sink_slot = 2 * h * cache.sink * d * elem
-    prefix_sinks = cache.prefix_sinks.nbytes() // cache.num_layers if cache.sink else 0
+    sink_slot = 2 * h * config.sink * d * elem
+    sink_kept = prefix_sinks.nbytes() // config.num_layers if config.sink else 0
     layers = []
-    for layer in range(cache.num_layers):
+    for layer in range(config.num_layers):
         live = theory = 0
-        for seq in cache._seqs.values():
-            held = int(cache._lens_np[layer, seq.slot]) - seq.released * b
+        for seq in table.seqs.values():
+            held = int(table.lens_np[layer, seq.slot]) - seq.released * b
             live += held
-            theory += cache.format.bytes_for_tokens(held, h, d, tail_element_bytes=elem)
+            theory += config.format.bytes_for_tokens(held, h, d, tail_element_bytes=elem)
         layers.append(
             LayerMemory(
                 payload_bytes=used * payload,
@@ -154,7 +165,7 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
                 outlier_bytes=used * outlier,
                 tail_bytes=nseq * tail_slot,
                 sink_bytes=nseq * sink_slot,
-                cached_bytes=cached * block + prefix_sinks,
+                cached_bytes=cached * block + sink_kept,
                 unused_bytes=(free + 1) * block + (slots - nseq) * (tail_slot + sink_slot),
                 shared_bytes=shared_refs * block,
                 host_bytes=host_per_layer,
@@ -166,10 +177,10 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
     for m in layers:
         total = total + m
     notes = []
-    if cache.format.is_passthrough:
+    if config.format.is_passthrough:
         notes.append("passthrough format: the formula rounds up to whole blocks, the cache keeps a tail instead")
     return MemoryReport(
-        format=cache.format.name,
+        format=config.format.name,
         layers=layers,
         total=total,
         num_blocks=pool.num_blocks,
@@ -179,36 +190,36 @@ def memory_report(cache: PagedKVCache) -> MemoryReport:
         host_blocks=host_blocks,
         sequences=nseq,
         notes=notes,
-        clipped=None if cache.calibration is None else cache.clip_monitor.report(),
+        clipped=None if config.calibration is None else clip_monitor.report(),
     )
 
 
-def problems(cache: PagedKVCache) -> list[str]:
-    """See :meth:`PagedKVCache.problems`."""
-    out = list(cache.pool.problems())
+def problems(table: SlotTable, pool: BlockPool, host: HostTier) -> list[str]:
+    """Consistency of a cache's parts (empty when consistent). See :meth:`kvpack.cache.PagedKVCache.problems`."""
+    out = list(pool.problems())
     held: Counter[int] = Counter()
     slots = set()
-    b = cache.block_size
-    for seq in cache._seqs.values():
+    b = table.block_size
+    for seq in table.seqs.values():
         if seq.slot in slots:
             out.append(f"sequence {seq.sid} shares tail slot {seq.slot}")
         slots.add(seq.slot)
         held.update(blk for blk in seq.blocks if blk)
-        lens = cache._lens_np[:, seq.slot]
+        lens = table.lens_np[:, seq.slot]
         if len(seq.blocks) < int(lens.max()) // b:
             out.append(f"sequence {seq.sid} holds {int(lens.max())} tokens but only {len(seq.blocks)} blocks")
         if any(seq.blocks[j] for j in range(seq.released)):
             out.append(f"sequence {seq.sid} still references a block released by the window")
-        row = cache._tables_np[seq.slot]
+        row = table.tables_np[seq.slot]
         if list(row[: len(seq.blocks)]) != seq.blocks or row[len(seq.blocks) :].any():
             out.append(f"block table row of sequence {seq.sid} does not mirror its blocks")
-        if seq.offloaded != (seq.sid in cache.host):
+        if seq.offloaded != (seq.sid in host):
             out.append(f"sequence {seq.sid} offload flag disagrees with the host tier")
-    refs = cache.pool.ref_counts()
-    for blk in range(1, cache.pool.num_blocks):
+    refs = pool.ref_counts()
+    for blk in range(1, pool.num_blocks):
         if refs[blk] != held[blk]:
             out.append(f"block {blk} has reference count {refs[blk]} but {held[blk]} references")
-    free_slots = set(cache._free_slots)
-    if free_slots & slots or len(free_slots | slots) != cache._tail_k.shape[1]:
+    free_slots = set(table.free_slots)
+    if free_slots & slots or len(free_slots | slots) != table.num_slots:
         out.append("tail slots leaked or double-booked")
     return out
