@@ -15,6 +15,7 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -91,7 +92,7 @@ class PagedLayer:
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
-        self._views: dict[int, PagedKV] = {}  # row count -> the view over self._rows (see view)
+        self._views: dict[tuple[int, int], PagedKV] = {}  # (rows, table width) -> the view over self._rows
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
@@ -168,11 +169,10 @@ class PagedLayer:
         pools = self.pools(kv_cache)
         r = st.seq_lens.shape[0] if rows is None else rows.shape[0]
         width = st.block_table.shape[1]
-        if self._rows is None or self._rows.width != width or self._rows.capacity < r:
-            self._rows = _Rows(max(self.capacity, r), width, self, st.block_table.device)
+        if self._rows is None or self._rows.capacity < r:
+            self._rows = _Rows.shared(max(self.capacity, r), self, st.block_table.device)
             self._views = {}
-        buf = self._rows
-        tables, lens, tail_k, tail_v, sink_k, sink_v = buf.take(r)
+        tables, lens, tail_k, tail_v, sink_k, sink_v = self._rows.take(r, width)
         slots = st.tail_slot
         if rows is None:
             tables.copy_(st.block_table)
@@ -187,9 +187,9 @@ class PagedLayer:
             first = tables[:, 0].long()
             sink_k.copy_(pools["sink_k"].index_select(0, first))  # the page's dtype may differ from the tails'
             sink_v.copy_(pools["sink_v"].index_select(0, first))
-        kv = self._views.get(r)
+        kv = self._views.get((r, width))
         if kv is None:
-            kv = self._views[r] = PagedKV(
+            kv = self._views[r, width] = PagedKV(
                 format=self.format,
                 head_dim=self.head_dim,
                 k_data=pools["k_data"],
@@ -256,25 +256,42 @@ class PagedLayer:
 
 
 class _Rows:
-    """Persistent buffers behind the views of up to ``capacity`` requests (block tables ``[n, W]`` int32,
-    lengths ``[n]`` int32, tails ``[n, H, B, D]`` and sink rows ``[n, H, S, D]`` in the layer's dtype), and
-    their first-``r``-rows slices, the same tensor objects every time (see :meth:`PagedLayer.view`)."""
+    """Persistent buffers behind the views of up to ``capacity`` requests (block tables ``[n, W]`` int32 for
+    each table width ``W`` met, lengths ``[n]`` int32, tails ``[n, H, B, D]`` and sink rows ``[n, H, S, D]`` in
+    the layer's dtype), and their first-``r``-rows slices, the same tensor objects every time (see
+    :meth:`PagedLayer.view`). The layers of a model share one set (:meth:`shared`): they run one after another,
+    and each fills the buffers before its kernel reads them, so the gathered tails cost one layer's tails, not
+    a second tail pool."""
 
-    def __init__(self, capacity: int, width: int, layer: PagedLayer, device: torch.device) -> None:
+    _by_shape: ClassVar[dict[tuple, _Rows]] = {}
+
+    @classmethod
+    def shared(cls, capacity: int, layer: PagedLayer, device: torch.device) -> _Rows:
+        """The set for ``layer``'s shape, dtype and device with room for ``capacity`` rows."""
+        key = (layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink, layer.dtype, device)
+        hit = cls._by_shape.get(key)
+        if hit is None or hit.capacity < capacity:
+            hit = cls._by_shape[key] = cls(capacity, layer, device)
+        return hit
+
+    def __init__(self, capacity: int, layer: PagedLayer, device: torch.device) -> None:
         h, b, d, s = layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink
-        self.capacity, self.width = capacity, width
-        self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
+        self.capacity, self.device = capacity, device
+        self.tables: dict[int, torch.Tensor] = {}
         self.lens = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.tail_k = torch.zeros(capacity, h, b, d, dtype=layer.dtype, device=device)
         self.tail_v = torch.zeros_like(self.tail_k)
         self.sink_k = torch.zeros(capacity, h, s, d, dtype=layer.dtype, device=device) if s else None
         self.sink_v = torch.zeros_like(self.sink_k) if s else None
-        self._slices: dict[int, tuple] = {}
+        self._slices: dict[tuple[int, int], tuple] = {}
 
-    def take(self, r: int) -> tuple:
-        """``(tables, lens, tail_k, tail_v, sink_k, sink_v)`` of the first ``r`` rows (sinks None without)."""
-        hit = self._slices.get(r)
+    def take(self, r: int, width: int) -> tuple:
+        """``(tables, lens, tail_k, tail_v, sink_k, sink_v)`` of the first ``r`` rows, tables ``width`` wide
+        (sinks None without)."""
+        hit = self._slices.get((r, width))
         if hit is None:
-            parts = (self.tables, self.lens, self.tail_k, self.tail_v, self.sink_k, self.sink_v)
-            hit = self._slices[r] = tuple(None if t is None else t[:r] for t in parts)
+            if width not in self.tables:
+                self.tables[width] = torch.zeros(self.capacity, width, dtype=torch.int32, device=self.device)
+            parts = (self.tables[width], self.lens, self.tail_k, self.tail_v, self.sink_k, self.sink_v)
+            hit = self._slices[r, width] = tuple(None if t is None else t[:r] for t in parts)
         return hit
