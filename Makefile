@@ -63,5 +63,7 @@ test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 	$(MAKE) test-latest
 
+# `all` holds the peers extra (optimum-quanto, hqq): bench generate times them, and the tests run a peer row.
 bench: install
 	$(VENV)/bin/kvpack bench decode
+	$(VENV)/bin/kvpack bench generate

@@ -92,20 +92,25 @@ def test_generate_command_rejects_bad_input(use_cache_dir, capsys):
 def test_bench_generate_runs_every_provider(use_cache_dir, capsys):
     parser = argparse.ArgumentParser()
     bench_generate.add_arguments(parser)
-    args = parser.parse_args(["--context", "130", "--batch", "1,2", "--new-tokens", "3", "--formats", "int8", "--json"])
+    argv = ["--context", "130", "--batch", "1,2", "--new-tokens", "3", "--formats", "int8", "--json"]
+    args = parser.parse_args([*argv, "--isolation", "none"])
     assert bench_generate.run(args) == 0
     result = json.loads(capsys.readouterr().out)
     providers = {(r["provider"], r["batch"]) for r in result["rows"]}
-    expected = ["dynamic", "kvpack-int8"]
-    if result["quantized_backend"] is None:  # transformers 5.19 has no built-in fp8 QuantizedCache (5.24 has)
-        assert all(f"{b}:" in result["quantized_unavailable"] for b in ("quanto", "hqq", "fp8"))
-    else:
-        expected.append(f"quantized-{result['quantized_backend']}")
+    expected = ["dynamic", "kvpack-int8", *result["peers"]]
     assert providers == {(p, b) for p in expected for b in (1, 2)}
+    assert result["threads"] == 1 and result["not_run"] == []
     for r in result["rows"]:
-        assert r["tokens_per_s"] > 0 and r["cache_bytes"] > 0
+        assert r["tokens_per_s"] > 0 and r["cache_bytes"] > 0 and r["steps"] == 3
         if r["provider"] == "kvpack-int8":
             assert abs(r["predicted_error"]) <= 0.02
             assert r["fused_decode_calls"] == 4 * 30
     dyn = {r["batch"]: r["cache_bytes"] for r in result["rows"] if r["provider"] == "dynamic"}
     assert dyn[2] == 2 * dyn[1] == 2 * 30 * 2 * 3 * 64 * 4 * (130 + 4)  # layers, K+V, kv_heads, D, fp32, tokens
+    # each row in a fresh process: the same row, and the parent's thread count
+    args = parser.parse_args([*argv, "--batch", "1", "--skip", "quantized,kvpack", "--ttft-rounds", "0"])
+    assert bench_generate.run(args) == 0
+    isolated = json.loads(capsys.readouterr().out)
+    assert isolated["isolation"] == "process" and isolated["not_run"] == []
+    (row,) = isolated["rows"]
+    assert row["provider"] == "dynamic" and row["steps"] == 3 and row["cache_bytes"] == dyn[1]

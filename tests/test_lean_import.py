@@ -1,4 +1,4 @@
-"""`import kvpack` stays light: no triton, transformers, numba or matplotlib, and CUDA untouched."""
+"""`import kvpack` stays light: no triton, transformers, numba, matplotlib, quanto or hqq, and CUDA untouched."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["triton", "transformers", "numba", "matplotlib", "vllm"]
+HEAVY = ["triton", "transformers", "numba", "matplotlib", "vllm", "optimum", "hqq"]
 
 PROBE = """
 import json, sys
 import kvpack, kvpack.formats, kvpack.quant, kvpack.kernels, kvpack.cli.main
-import kvpack.sizing, kvpack.modelspecs, kvpack.cli.size_cmd
+import kvpack.sizing, kvpack.modelspecs, kvpack.cli.size_cmd, kvpack.bench.peers
 import kvpack.cli.main as cli
 cli.build_parser()  # every subcommand's add_parser runs: it must stay light too
 import torch

@@ -140,3 +140,21 @@ def test_generate_says_it_compiles_after_the_model_loads(monkeypatch, capsys):
     assert "compiling the CPU attention kernels" in err and "compiled in 2 s" in err
     assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "1", "--raw", "--backend", "reference"]) == 0
     assert order == ["load", "compile", "load"]  # the reference backend runs no compiled kernel
+
+
+def test_numba_pool_start_keeps_torchs_thread_count():
+    """numba's omp layer shares torch's OpenMP runtime and sets its thread count when the pool starts:
+    ``torch.set_num_threads(1)`` before the first kernel call must still hold after it (fresh process: the
+    pool starts once per process; bench generate --threads 1 ran its later rows on two threads)."""
+    import subprocess
+
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "torch.randn(1 << 22).exp_()\n"  # a parallel region: torch's OpenMP runtime now reads the shared count
+        "from kvpack.kernels import cpu\n"
+        "cpu.passive_pool()\n"
+        "import numba; print(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)\n"
+    )
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "2"]

@@ -3,14 +3,16 @@
 Providers, measured in the same run on the same prefilled context:
 
 * ``dynamic``: transformers' ``DynamicCache`` (full precision, SDPA attention);
-* ``quantized-<backend>``: transformers' ``QuantizedCache`` with the first backend that works here
-  (``quanto`` or ``hqq`` when their packages are installed, else ``fp8``); it dequantizes the whole history
-  every step;
+* the peers (:mod:`kvpack.bench.peers`): transformers' ``QuantizedCache`` with the ``quanto`` backend at 4
+  and 2 bits and the ``hqq`` backend at 4 bits (``pip install 'kvpack[peers]'``), and any other backend the
+  installed transformers has; they dequantize the whole history every step;
 * ``kvpack-<format>``: :class:`kvpack.integrations.transformers.KVPackCache` with the fused decode kernel.
 
 The context is prefilled once (batch 1, SDPA, DynamicCache); every provider's cache is then filled with the
 same keys and values, repeated over the batch, so prefill time never pollutes decode numbers. Each provider
 then decodes ``--new-tokens`` greedy steps (after one untimed warm-up step): tokens/s counts every row.
+Each row runs in a fresh process (``--isolation process``, the default) that loads the model and the saved
+prefill, so no row inherits another's allocator state, thread pools or thread count.
 Cache bytes are compared with :meth:`kvpack.formats.KVFormat.bytes_for_tokens` (what ``kvpack size`` uses).
 
 Time-to-first-token (``--ttft-rounds``): the context as one prompt from an empty cache, batch 1, DynamicCache
@@ -22,16 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvpack.errors import ConfigError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "measure", "run", "worker"]
 
 _TEXT = (
     "The lighthouse keeper wrote down the weather every hour: wind from the west, light rain, a ship passing "
@@ -61,7 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None, help="torch (and kernel) threads; default: torch's current setting"
     )
     parser.add_argument(
-        "--skip", default="", help="providers to leave out, comma list: dynamic, quantized, kvpack (e.g. quantized)"
+        "--skip",
+        default="",
+        help="providers to leave out, comma list: dynamic, quantized (every peer), kvpack, or a peer's name "
+        "(quanto-int4, quanto-int2, hqq-int4, fp8)",
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=("process", "none"),
+        default="process",
+        help="process: each row in a fresh process (default); none: every row in this one, one after another",
     )
     parser.add_argument(
         "--ttft-rounds",
@@ -80,42 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _dense_bytes(cache: Any) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
-
-
-def _nbytes(obj: Any) -> int:
-    """Bytes of tensors inside ``obj`` (a tensor, a tuple/list/dict of them, or a quanto/hqq object)."""
-    if obj is None:
-        return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(_nbytes(x) for x in obj.values())
-    inner = [v for v in vars(obj).values() if isinstance(v, torch.Tensor)] if hasattr(obj, "__dict__") else []
-    return sum(t.nbytes for t in inner)
-
-
-def _quantized_bytes(cache: Any) -> int:
-    total = 0
-    for layer in cache.layers:
-        total += _nbytes(getattr(layer, "_quantized_keys", None)) + _nbytes(getattr(layer, "_quantized_values", None))
-        total += _nbytes(layer.keys) + _nbytes(layer.values)
-    return total
-
-
-def _quantized_backend(config: Any) -> tuple[str | None, str]:
-    """The first transformers QuantizedCache backend that can be built here, and why the others cannot."""
-    from transformers import QuantizedCache
-
-    why = []
-    for backend in ("quanto", "hqq", "fp8"):
-        try:
-            QuantizedCache(backend=backend, config=config)
-            return backend, "; ".join(why)
-        except (ImportError, ValueError) as e:
-            why.append(f"{backend}: {str(e).splitlines()[0]}")
-    return None, "; ".join(why)
 
 
 def _fill(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
@@ -210,105 +189,208 @@ def _ttft_rows(model: Any, ids: torch.Tensor, formats: list[Any], backend: str, 
     ]
 
 
-def _row(provider: str, batch: int, args: Any, total: float, per_step: list[float], nbytes: int, **extra: Any) -> dict:
+@torch.inference_mode()
+def measure(
+    model: Any,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    first: torch.Tensor,
+    provider: dict,
+    batch: int,
+    new_tokens: int,
+    backend: str = "auto",
+) -> dict:
+    """One row: fill ``provider``'s cache with the prefilled ``kv`` repeated over ``batch``, then time
+    ``new_tokens`` greedy decode steps (after one untimed step).
+
+    Args:
+        model: the causal LM.
+        kv: per layer, the prefilled ``(keys, values)``, each ``[1, kv_heads, context, head_dim]``.
+        first: the token after the context, ``[1]`` int64.
+        provider: ``{"kind": "dynamic"}``, ``{"kind": "peer", "name": "quanto-int4"}`` (a name of
+            :data:`kvpack.bench.peers.PEERS`) or ``{"kind": "kvpack", "format": "int4"}``.
+        batch: sequences.
+        new_tokens: timed steps.
+        backend: kvpack's decode backend.
+
+    Returns:
+        the row: provider, batch, context, tokens/s, median ms per step, the timed steps' count, cache bytes
+        (and, for kvpack, the predicted bytes and the decode backends that ran).
+    """
+    from transformers import DynamicCache
+
+    from kvpack.bench.peers import PEERS, make_cache, quantized_bytes
+    from kvpack.formats import parse_format
+    from kvpack.integrations.transformers import KVPackCache
+
+    context = int(kv[0][0].shape[2])
+    extra: dict[str, Any] = {}
+    if provider["kind"] == "kvpack":
+        fmt = parse_format(provider["format"])
+        name, tokens = f"kvpack-{fmt.name}", context + new_tokens + 1
+        cache = KVPackCache(model.config, fmt, max_tokens=tokens, batch_size=batch, backend=backend)
+        attn = "kvpack"
+    elif provider["kind"] == "peer":
+        peer = next(p for p in PEERS if p.name == provider["name"])
+        name, cache, attn = peer.name, make_cache(peer, model.config), "sdpa"
+    else:
+        name, cache, attn = "dynamic", DynamicCache(config=model.config), "sdpa"
+    _fill(cache, kv, batch)
+    model.set_attn_implementation(attn)
+    try:
+        total, steps = _decode(model, cache, first, batch, new_tokens)
+    finally:
+        model.set_attn_implementation("sdpa")
+    if provider["kind"] == "kvpack":
+        tail_bytes = torch.empty((), dtype=cache.paged.tail_dtype).element_size()
+        predicted = batch * fmt.bytes_for_tokens(
+            tokens, cache.kv_heads, cache.head_dim, cache.num_layers, tail_element_bytes=tail_bytes
+        )
+        nbytes = cache.bytes_summary()["used_bytes"]
+        extra = {
+            "predicted_bytes": predicted,
+            "predicted_error": nbytes / predicted - 1,
+            "fused_decode_calls": cache.fused_decode_calls,
+            "backends": dict(cache.decode_backends),
+        }
+    elif provider["kind"] == "peer":
+        nbytes = quantized_bytes(cache)
+    else:
+        nbytes = _dense_bytes(cache)
     return {
-        "provider": provider,
+        "provider": name,
         "batch": batch,
-        "context": args.context,
-        "new_tokens": args.new_tokens,
-        "tokens_per_s": batch * args.new_tokens / total,
-        "ms_per_step_median": 1000 * statistics.median(per_step),
+        "context": context,
+        "new_tokens": new_tokens,
+        "tokens_per_s": batch * new_tokens / total,
+        "ms_per_step_median": 1000 * statistics.median(steps),
+        "steps": len(steps),
         "cache_bytes": nbytes,
         **extra,
     }
 
 
+def worker(argv: list[str] | None = None) -> int:
+    """One row in a fresh process (``--isolation process``): ``argv[0]`` is a JSON file naming the model, the
+    thread count, the saved prefill (``torch.save`` of ``{"kv": ..., "first": ...}``), the provider, batch,
+    steps and backend, and where to write the row (JSON)."""
+    spec = json.loads(Path((sys.argv[1:] if argv is None else argv)[0]).read_text())
+    torch.set_num_threads(spec["threads"])
+    from kvpack.models import load_model
+
+    model, _ = load_model(spec["model"])
+    saved = torch.load(spec["prefill"], weights_only=True)
+    row = measure(
+        model, saved["kv"], saved["first"], spec["provider"], spec["batch"], spec["new_tokens"], spec["backend"]
+    )
+    Path(spec["out"]).write_text(json.dumps(row))
+    return 0
+
+
+def _isolated(spec: dict, folder: Path, index: int) -> dict:
+    """:func:`measure` in a fresh Python process (the same interpreter and kvpack); a failed run returns
+    ``{"error": ...}`` with the end of its stderr."""
+    import kvpack
+
+    spec = {**spec, "out": str(folder / f"row{index}.json")}
+    path = folder / f"spec{index}.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    root = str(Path(kvpack.__file__).resolve().parents[1])  # the parent's kvpack, also from a source tree
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = "import sys; from kvpack.bench.generate import worker; sys.exit(worker([sys.argv[1]]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if proc.returncode:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        return {"error": f"exit status {proc.returncode}: {lines[-1] if lines else 'no output'}"}
+    return json.loads(Path(spec["out"]).read_text())
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; print a table (or JSON with ``--json``)."""
-    from transformers import DynamicCache, QuantizedCache
+    import transformers
 
+    from kvpack.bench.peers import PEERS, available_peers, peer_reasons
     from kvpack.formats import parse_format
-    from kvpack.integrations.transformers import KVPackCache
     from kvpack.models import load_model
 
     if args.quick:
         args.context, args.batch, args.new_tokens = min(args.context, 512), "1,2", min(args.new_tokens, 16)
     if args.context <= 0 or args.new_tokens <= 0:
         raise ConfigError("--context and --new-tokens must be positive")
+    if args.ttft_rounds < 0:
+        raise ConfigError(f"--ttft-rounds must be 0 or more, got {args.ttft_rounds}")
     batches = _int_list(args.batch, "--batch")
     if args.threads is not None:
         if args.threads <= 0:
             raise ConfigError(f"--threads must be positive, got {args.threads}")
         torch.set_num_threads(args.threads)
-    formats = [parse_format(f.strip()) for f in args.formats.split(",") if f.strip()]
+    names = [f.strip() for f in args.formats.split(",") if f.strip()]
+    formats = [parse_format(f) for f in names]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     model, tokenizer = load_model(args.model)
     if "kvpack" not in skip and args.backend in ("auto", "cpu"):
         from kvpack.kernels.warmup import compile_if_cold
 
         compile_if_cold(lambda line: print(line, file=sys.stderr, flush=True))
-    config = model.config
     ids = _prompt(tokenizer, args.context)
     kv, first, prefill_s = _prefill(model, ids)
-    qbackend, qwhy = _quantized_backend(config) if "quantized" not in skip else (None, "skipped")
+    if "quantized" in skip:
+        peers, missing, unsupported = [], [], []
+    else:
+        peers, missing, unsupported = available_peers(model.config, [p.name for p in PEERS if p.name not in skip])
+    providers = [{"kind": "dynamic", "name": "dynamic"}] if "dynamic" not in skip else []
+    providers += [{"kind": "peer", "name": p.name} for p in peers]
+    if "kvpack" not in skip:
+        providers += [{"kind": "kvpack", "name": f"kvpack-{f.name}", "format": n} for n, f in zip(names, formats)]
+    _, kv_heads, context, head_dim = kv[0][0].shape
+    threads = torch.get_num_threads()
     rows: list[dict] = []
-    for batch in batches:
-        if "dynamic" not in skip:
-            cache = DynamicCache(config=config)
-            _fill(cache, kv, batch)
-            model.set_attn_implementation("sdpa")
-            total, steps = _decode(model, cache, first, batch, args.new_tokens)
-            rows.append(_row("dynamic", batch, args, total, steps, _dense_bytes(cache)))
-            del cache
-        if qbackend is not None:
-            cache = QuantizedCache(backend=qbackend, config=config)
-            _fill(cache, kv, batch)
-            model.set_attn_implementation("sdpa")
-            total, steps = _decode(model, cache, first, batch, args.new_tokens)
-            rows.append(_row(f"quantized-{qbackend}", batch, args, total, steps, _quantized_bytes(cache)))
-            del cache
-        if "kvpack" in skip:
-            continue
-        for fmt in formats:
-            tokens = args.context + args.new_tokens + 1
-            cache = KVPackCache(config, fmt, max_tokens=tokens, batch_size=batch, backend=args.backend)
-            _fill(cache, kv, batch)
-            model.set_attn_implementation("kvpack")
-            total, steps = _decode(model, cache, first, batch, args.new_tokens)
-            tail_bytes = torch.empty((), dtype=cache.paged.tail_dtype).element_size()
-            predicted = batch * fmt.bytes_for_tokens(
-                tokens, cache.kv_heads, cache.head_dim, cache.num_layers, tail_element_bytes=tail_bytes
-            )
-            used = cache.bytes_summary()["used_bytes"]
-            rows.append(
-                _row(
-                    f"kvpack-{fmt.name}",
-                    batch,
-                    args,
-                    total,
-                    steps,
-                    used,
-                    predicted_bytes=predicted,
-                    predicted_error=used / predicted - 1,
-                    fused_decode_calls=cache.fused_decode_calls,
-                    backends=dict(cache.decode_backends),
-                )
-            )
-            del cache
+    not_run: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kvpack-bench-") as tmp:
+        prefill_path = Path(tmp) / "prefill.pt"
+        if args.isolation == "process":
+            torch.save({"kv": kv, "first": first}, prefill_path)
+        for batch in batches:
+            for prov in providers:
+                why = peer_reasons(batch, kv_heads, context, head_dim) if prov["kind"] == "peer" else []
+                if why:
+                    not_run.append(f"{prov['name']} batch {batch}: {'; '.join(why)}")
+                    continue
+                if args.isolation == "none":
+                    rows.append(measure(model, kv, first, prov, batch, args.new_tokens, args.backend))
+                    continue
+                spec = {
+                    "model": args.model,
+                    "threads": threads,
+                    "prefill": str(prefill_path),
+                    "provider": prov,
+                    "batch": batch,
+                    "new_tokens": args.new_tokens,
+                    "backend": args.backend,
+                }
+                row = _isolated(spec, Path(tmp), len(rows) + len(not_run))
+                if "error" in row:
+                    not_run.append(f"{prov['name']} batch {batch}: failed ({row['error']})")
+                else:
+                    rows.append(row)
     model.set_attn_implementation("sdpa")
-    if args.ttft_rounds < 0:
-        raise ConfigError(f"--ttft-rounds must be 0 or more, got {args.ttft_rounds}")
     ttft = _ttft_rows(model, ids, formats, args.backend, args.ttft_rounds) if args.ttft_rounds else []
     result = {
         "model": args.model or "embedded SmolLM2-135M-Instruct",
         "dtype": str(model.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
+        "isolation": args.isolation,
+        "transformers": transformers.__version__,
         "prefill_s": prefill_s,
-        "quantized_backend": qbackend,
-        "quantized_unavailable": qwhy,
+        "peers": [p.name for p in peers],
+        "peers_missing": missing,
+        "peers_not_in_transformers": unsupported,
+        "not_run": not_run,
         "rows": rows,
         "ttft": ttft,
-        "checks": _checks(rows) + _ttft_checks(ttft),
+        "checks": _checks(rows, {p.name for p in peers}) + _ttft_checks(ttft),
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -317,8 +399,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checks(rows: list[dict]) -> list[dict]:
-    """The issue's targets, per batch: int4 vs DynamicCache and vs QuantizedCache speed, memory vs prediction."""
+def _checks(rows: list[dict], peers: set[str]) -> list[dict]:
+    """The issue's targets, per batch: int4 vs DynamicCache and vs each QuantizedCache peer, memory vs
+    prediction."""
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         by = {r["provider"]: r for r in rows if r["batch"] == batch}
@@ -326,13 +409,12 @@ def _checks(rows: list[dict]) -> list[dict]:
         if int4 is None:
             continue
         dyn = by.get("dynamic")
-        quant = next((r for p, r in by.items() if p.startswith("quantized-")), None)
         if dyn:
             ratio = int4["tokens_per_s"] / dyn["tokens_per_s"]
             out.append({"batch": batch, "check": "int4 >= 1.0x DynamicCache", "value": ratio, "ok": ratio >= 1.0})
-        if quant:
-            ratio = int4["tokens_per_s"] / quant["tokens_per_s"]
-            out.append({"batch": batch, "check": f"int4 >= 3x {quant['provider']}", "value": ratio, "ok": ratio >= 3.0})
+        for name in sorted(peers & set(by)):
+            ratio = int4["tokens_per_s"] / by[name]["tokens_per_s"]
+            out.append({"batch": batch, "check": f"int4 >= 3x {name}", "value": ratio, "ok": ratio >= 3.0})
     for r in rows:
         if "predicted_error" in r:
             err = r["predicted_error"]
@@ -363,11 +445,14 @@ def _ttft_checks(ttft: list[dict]) -> list[dict]:
 
 def _print_table(result: dict) -> None:
     print(
-        f"kvpack bench generate: {result['model']} ({result['dtype']}, {result['threads']} threads), "
-        f"prefill {result['prefill_s']:.1f} s"
+        f"kvpack bench generate: {result['model']} ({result['dtype']}, {result['threads']} threads, transformers "
+        f"{result['transformers']}), prefill {result['prefill_s']:.1f} s, each row in "
+        f"{'a fresh process' if result['isolation'] == 'process' else 'this process'}"
     )
-    if result["quantized_unavailable"]:
-        print(f"QuantizedCache backends unavailable: {result['quantized_unavailable']}")
+    for line in result["peers_missing"]:
+        print(f"peer not run: {line}")
+    for line in result["not_run"]:
+        print(f"row not run: {line}")
     head = f"{'provider':<18}{'batch':>6}{'context':>9}{'tok/s':>10}{'ms/step':>10}{'cache MiB':>11}{'pred MiB':>10}"
     print(head)
     print("-" * len(head))

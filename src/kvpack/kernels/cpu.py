@@ -96,23 +96,32 @@ def passive_pool() -> None:
     pool between kernel calls (a 2k-token prefill of the embedded model through the chunk kernel, 2-core VM
     loaded by other work: 1.1-1.6x DynamicCache's time spinning, 1.07-1.18x passive; on the quiet VM the two
     are within noise, 1.08-1.14x). Only numba's pool reads the
-    setting here: torch's OpenMP runtime read its environment when torch was loaded. Runs once."""
+    setting here: torch's OpenMP runtime read its environment when torch was loaded. Runs once.
+
+    The launch would also change torch's thread count: numba's ``omp`` layer shares torch's OpenMP runtime
+    and sets its count to ``NUMBA_NUM_THREADS`` (all cores), which torch then reads once it has run a parallel
+    region (``torch.set_num_threads(1)``, a model forward, the first kernel call: 2 threads on the 2-core VM,
+    so ``kvpack bench generate --threads 1`` ran every row after the first kvpack one on two). The count is
+    put back."""
     if _POOL:
         return
     _POOL.append(True)
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
     try:
         from numba.np.ufunc import parallel
     except ImportError:
         return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    threads = torch.get_num_threads()
+    passive = "OMP_WAIT_POLICY" not in os.environ
+    if passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         parallel._launch_threads()  # numba's lazy pool start, now, while the setting is in the environment
     except Exception:
         pass
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
+        if passive:
+            del os.environ["OMP_WAIT_POLICY"]
+        torch.set_num_threads(threads)
 
 
 def _numba_missing() -> str | None:
