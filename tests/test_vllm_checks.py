@@ -123,7 +123,7 @@ def test_profiling_run_allocates_the_tails():
         q, kv = torch.zeros(4, 9, HEAD_DIM), torch.zeros(4, KV_HEADS, HEAD_DIM)
         out = torch.zeros(4, 9 * HEAD_DIM)
         impl.forward(None, q, kv, kv, torch.empty(0, dtype=torch.int8), None, out)
-    assert impl._layer is not None and impl._layer.tail_k.shape == (SEQS + 1, KV_HEADS, 64, HEAD_DIM)
+    assert impl._layer is not None and impl._layer.tail_k.shape == (SEQS, KV_HEADS, 64, HEAD_DIM)
     assert 2 * impl._layer.tail_k.nbytes * LAYERS == _tails("int8")
 
 
