@@ -238,6 +238,11 @@ def test_a_backend_without_rotated_keys_gets_the_rotated_query(monkeypatch: pyte
     for (got_q, got_kv), want in zip(rec.calls, (q, q.unsqueeze(1))):
         assert got_kv.key_rotation is None
         assert torch.equal(got_q, rotate(want, kv.key_rotation))
+    # one view without the rotation per rotated view, call after call (kernels keep per-view state)
+    assert rec.calls[0][1] is rec.calls[1][1]
+    other = dataclasses.replace(kv)
+    K.decode_attention(q, other, backend=rec.name)
+    assert rec.calls[2][1] is not rec.calls[0][1]
     # the reference reads the rotation itself: handed the view as it is
     assert K.BACKENDS["reference"].capabilities.rotated_keys
     with warnings.catch_warnings():

@@ -13,7 +13,9 @@ refuses a case a backend's capabilities exclude (:data:`OUTLIER_REASON`, :data:`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
+import weakref
 
 import torch
 
@@ -171,10 +173,26 @@ def run_backend(
 
 
 def _unrotated(backend: DecodeBackend, q: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, PagedKV]:
-    """``(q @ R, kv without R)`` for a view of rotated keys and a backend that does not read them itself."""
+    """``(q @ R, kv without R)`` for a view of rotated keys and a backend that does not read them itself. The view
+    without the rotation is the same object for as long as ``kv`` lives (:data:`_PLAIN`), so a backend that keeps
+    per-view state (the CPU kernel's checks and numpy views) keeps it for rotated views too."""
     if kv.key_rotation is None or backend.capabilities.rotated_keys:
         return q, kv
-    return rotate(q, kv.key_rotation.to(q.device)), dataclasses.replace(kv, key_rotation=None)
+    hit = _PLAIN.get(id(kv))
+    if hit is None or hit[0]() is not kv:
+        hit = (weakref.ref(kv, functools.partial(_forget_plain, id(kv))), dataclasses.replace(kv, key_rotation=None))
+        _PLAIN[id(kv)] = hit
+    return rotate(q, kv.key_rotation.to(q.device)), hit[1]
+
+
+# id of a view of rotated keys -> (a weak reference to it, the same view without the rotation)
+_PLAIN: dict[int, tuple[weakref.ref, PagedKV]] = {}
+
+
+def _forget_plain(key: int, ref: weakref.ref) -> None:
+    hit = _PLAIN.get(key)
+    if hit is not None and hit[0] is ref:
+        del _PLAIN[key]
 
 
 def chunk_attention(

@@ -42,7 +42,7 @@ class StepTensors:
         tail_slot: ``[R]`` int64 each request's tail slot (:attr:`StepPlan.tail_slot`).
         decode_rows: ``[Rd]`` int64 requests with one query; decode_tokens: ``[Rd]`` int64 their query's token.
         prefill_rows: requests with several queries (numpy int64).
-        decode_dense: every request decodes and request ``i``'s query is token ``i`` (the queries need no gather).
+        decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
     """
 
     block_table: torch.Tensor
@@ -66,7 +66,7 @@ class StepTensors:
             decode_rows=torch.from_numpy(decode).to(dev),
             decode_tokens=torch.from_numpy(plan.query_start[decode]).to(dev),
             prefill_rows=np.nonzero(ql > 1)[0],
-            decode_dense=bool(decode.size == ql.size and np.array_equal(plan.query_start[: ql.size], decode)),
+            decode_dense=bool(0 < decode.size == ql.size and np.array_equal(plan.query_start[: ql.size], decode)),
         )
 
 
@@ -163,8 +163,7 @@ class PagedLayer:
         The block tables, lengths, tails (gathered by slot: ``[r, H, B, D]``, one block per request) and sink
         rows (from each request's first page) are copied into persistent buffers (:class:`_Rows`), and the view
         of ``r`` rows is the same object step after step, so that a kernel keeps what it derived from its
-        structure (the CPU kernel's checks and numpy views) and only the contents change. Keys stored rotated
-        are read without the rotation: :meth:`attend` rotates the queries instead.
+        structure (the CPU kernel's checks and numpy views) and only the contents change.
         """
         pools = self.pools(kv_cache)
         r = st.seq_lens.shape[0] if rows is None else rows.shape[0]
@@ -202,6 +201,7 @@ class PagedLayer:
                 seq_lens=lens,
                 tail_k=tail_k,
                 tail_v=tail_v,
+                key_rotation=self.rotation,
                 sink_k=sink_k,
                 sink_v=sink_v,
             )
@@ -224,21 +224,17 @@ class PagedLayer:
             query: ``[N, Hq, D]``; out: ``[N, Hq, D]`` written in place; kernel: the decode backend
                 (``auto``, ``cpu``, ``triton``, ``reference``).
         """
-        if self.rotation is not None:  # scores are unchanged when keys and queries turn by the same rotation
-            query = rotate(query, self.rotation)
-        nd = st.decode_rows.numel()
-        if nd:
-            if nd == st.seq_lens.shape[0] and st.decode_dense:  # every request decodes: tokens 0 .. R-1 in order
-                kv = self.view(kv_cache, st)
-                dst = out[:nd]
-                res = decode_attention(query[:nd], kv, sm_scale=sm_scale, backend=kernel,
-                                       out=dst if dst.dtype == query.dtype else None)  # fmt: skip
-                if res is not dst:
-                    dst.copy_(res)
-            else:
-                kv = self.view(kv_cache, st, st.decode_rows)
-                res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
-                out[st.decode_tokens] = res.to(out.dtype)
+        if st.decode_dense:  # every request decodes, request i's query is token i: no gather, no scatter
+            kv = self.view(kv_cache, st)
+            dst = out[: kv.batch]
+            res = decode_attention(query[: kv.batch], kv, sm_scale=sm_scale, backend=kernel,
+                                   out=dst if dst.dtype == query.dtype else None)  # fmt: skip
+            if res is not dst:
+                dst.copy_(res)
+        elif st.decode_rows.numel():
+            kv = self.view(kv_cache, st, st.decode_rows)
+            res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
+            out[st.decode_tokens] = res.to(out.dtype)
         by_len: dict[int, list[int]] = {}  # prefill rows with the same number of queries share one call
         for i in st.prefill_rows.tolist():
             by_len.setdefault(int(plan.query_start[i + 1]) - int(plan.query_start[i]), []).append(i)
