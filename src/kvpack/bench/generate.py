@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from kvpack.errors import ConfigError
+from kvpack.fsutil import atomic_write_text
 
 __all__ = ["add_arguments", "measure", "run", "worker"]
 
@@ -282,7 +283,7 @@ def worker(argv: list[str] | None = None) -> int:
     row = measure(
         model, saved["kv"], saved["first"], spec["provider"], spec["batch"], spec["new_tokens"], spec["backend"]
     )
-    Path(spec["out"]).write_text(json.dumps(row))
+    atomic_write_text(spec["out"], json.dumps(row))  # the parent reads it only once this process has exited
     return 0
 
 
@@ -293,7 +294,7 @@ def _isolated(spec: dict, folder: Path, index: int) -> dict:
 
     spec = {**spec, "out": str(folder / f"row{index}.json")}
     path = folder / f"spec{index}.json"
-    path.write_text(json.dumps(spec))
+    atomic_write_text(path, json.dumps(spec))
     env = dict(os.environ)
     root = str(Path(kvpack.__file__).resolve().parents[1])  # the parent's kvpack, also from a source tree
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
