@@ -134,6 +134,30 @@ def test_more_open_blocks_than_tail_slots_is_refused_before_any_change():
     assert table.num_allocated == 0
 
 
+def test_tails_follow_their_requests_rows():
+    table = TailTable(num_blocks=10, capacity=3, block_size=8)
+    p = _plan(table, [(0, 2, [3]), (0, 1, [4])])
+    assert list(p.tail_slot) == [0, 1] and list(p.write_slot) == [0, 0, 1] and p.move_src.size == 0
+    p = _plan(table, [(1, 1, [4]), (2, 1, [3])])  # the rows swap: so do the tails, before this step's writes
+    assert sorted(zip(p.move_src, p.move_dst)) == [(0, 1), (1, 0)] and list(p.write_slot) == [0, 1]
+    assert table.slot_of_block[4] == 0 and table.slot_of_block[3] == 1
+    p = _plan(table, [(3, 1, [3])])  # block 4's request is not scheduled: its tail gives slot 0 up
+    assert sorted(zip(p.move_src, p.move_dst)) == [(0, 1), (1, 0)] and table.slot_of_block[4] == 1
+    p = _plan(table, [(4, 5, [3, 5]), (2, 1, [4])])  # block 3 seals from its tail, block 5 opens at row 0
+    assert list(p.seal_block) == [3] and list(p.seal_slot) == [0] and p.move_src.size == 0
+    assert table.slot_of_block[5] == 0 and table.slot_of_block[3] == -1 and table.num_allocated == 2
+
+
+def test_more_requests_than_tail_slots_is_refused_before_any_change():
+    table = TailTable(num_blocks=10, capacity=2, block_size=4)
+    _plan(table, [(0, 1, [1])])
+    with pytest.raises(PoolExhaustedError, match="max-num-seqs"):
+        _plan(table, [(0, 4, [2]), (1, 1, [1]), (0, 4, [3])])  # three rows, even with one open block
+    with pytest.raises(PoolExhaustedError, match="max-num-seqs"):
+        _plan(table, [(0, 1, [2]), (0, 1, [3])])  # two rows need both slots, block 1's parked tail has none
+    assert table.num_allocated == 1 and table.slot_of_block[1] == 0
+
+
 def test_sink_positions_go_to_the_first_block():
     table = TailTable(num_blocks=10, capacity=2, block_size=4, sink=2)
     _plan(table, [(0, 1, [5])])
@@ -253,6 +277,8 @@ def _schedule(sim: _Sim) -> None:
         sim.step({0: 1, 1: 1})  # decode
     sim.add(2, share_from=0, shared_blocks=2)  # a prefix-cache hit on request 0's two full blocks
     sim.step({2: 7, 0: 1, 1: 1})
+    sim.step({1: 1, 2: 1})  # request 0 not scheduled: its tail is parked while request 2 takes its slot
+    sim.step({0: 1, 2: 1, 1: 1})  # ... and read again, from wherever it moved
     sim.end(1)  # finished with an open block: its tail is released
     assert sim.table.num_allocated == 2
     sim.add(3)

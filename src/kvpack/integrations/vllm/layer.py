@@ -23,7 +23,7 @@ import torch
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan
-from kvpack.kernels import decode_attention, fused_chunk_backend, run_chunk_backend
+from kvpack.kernels import choose_backend, fused_chunk_backend, run_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import _raise_non_finite, all_finite, quantize
@@ -92,7 +92,9 @@ class PagedLayer:
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
-        self._views: dict[tuple[int, int], PagedKV] = {}  # (rows, table width) -> the view over self._rows
+        self._views: dict[tuple[int, int, bool], PagedKV] = {}  # (rows, table width, all rows?) -> its view
+        self._tail_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._backend_of: dict[tuple, str] = {}  # (id of a view in self._views, q dtype, kernel) -> backend
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
@@ -100,7 +102,7 @@ class PagedLayer:
         if self._pools is None or self._pools_key != key:
             self._pools = self.layout.views(kv_cache)
             self._pools_key = key
-            self._views = {}  # views over the old pages
+            self._views, self._backend_of = {}, {}  # views over the old pages
         return self._pools
 
     # -- writes -----------------------------------------------------------------------------------------
@@ -143,6 +145,10 @@ class PagedLayer:
             k = rotate(k, self.rotation)
         if plan.seal_block.size:
             self._seal(pools, plan, k, v)  # first: a sealed block's tail slot may be handed out again this step
+        if plan.move_src.size:  # tails follow their requests' rows (the right side is gathered before writing)
+            src, dst = (torch.from_numpy(x).to(k.device) for x in (plan.move_src, plan.move_dst))
+            self.tail_k[dst] = self.tail_k[src]
+            self.tail_v[dst] = self.tail_v[src]
         if plan.write_tok.size:
             tok, slot, off = (
                 torch.from_numpy(x).to(k.device) for x in (plan.write_tok, plan.write_slot, plan.write_off)
@@ -160,35 +166,38 @@ class PagedLayer:
     def view(self, kv_cache: torch.Tensor, st: StepTensors, rows: torch.Tensor | None = None) -> PagedKV:
         """The :class:`PagedKV` of requests ``rows`` (None: all) over the pages.
 
-        The block tables, lengths, tails (gathered by slot: ``[r, H, B, D]``, one block per request) and sink
-        rows (from each request's first page) are copied into persistent buffers (:class:`_Rows`), and the view
-        of ``r`` rows is the same object step after step, so that a kernel keeps what it derived from its
-        structure (the CPU kernel's checks and numpy views) and only the contents change.
+        The block tables, lengths and sink rows (from each request's first page) are copied into persistent
+        buffers (:class:`_Rows`), and the view of ``r`` rows is the same object step after step, so that a
+        kernel keeps what it derived from its structure (the CPU kernel's checks and numpy views) and only the
+        contents change. Request ``i``'s tail is slot ``i`` of the layer's pool (:class:`TailTable`), so the
+        view of all requests reads the first ``r`` slots in place; a view of some rows gathers theirs
+        (``[r, H, B, D]``, one block per request).
         """
         pools = self.pools(kv_cache)
         r = st.seq_lens.shape[0] if rows is None else rows.shape[0]
         width = st.block_table.shape[1]
         if self._rows is None or self._rows.capacity < r:
             self._rows = _Rows.shared(max(self.capacity, r), self, st.block_table.device)
-            self._views = {}
+            self._views, self._backend_of = {}, {}
         tables, lens, tail_k, tail_v, sink_k, sink_v = self._rows.take(r, width)
-        slots = st.tail_slot
         if rows is None:
             tables.copy_(st.block_table)
             lens.copy_(st.seq_lens)
+            tail_k, tail_v = self._tail_rows(r)
         else:
             torch.index_select(st.block_table, 0, rows, out=tables)
             torch.index_select(st.seq_lens, 0, rows, out=lens)
-            slots = slots[rows]
-        torch.index_select(self.tail_k, 0, slots, out=tail_k)
-        torch.index_select(self.tail_v, 0, slots, out=tail_v)
+            slots = st.tail_slot[rows]
+            torch.index_select(self.tail_k, 0, slots, out=tail_k)
+            torch.index_select(self.tail_v, 0, slots, out=tail_v)
         if sink_k is not None:
             first = tables[:, 0].long()
-            sink_k.copy_(pools["sink_k"].index_select(0, first))  # the page's dtype may differ from the tails'
-            sink_v.copy_(pools["sink_v"].index_select(0, first))
-        kv = self._views.get((r, width))
+            torch.index_select(pools["sink_k"], 0, first, out=sink_k)
+            torch.index_select(pools["sink_v"], 0, first, out=sink_v)
+        key = (r, width, rows is None)
+        kv = self._views.get(key)
         if kv is None:
-            kv = self._views[r, width] = PagedKV(
+            kv = self._views[key] = PagedKV(
                 format=self.format,
                 head_dim=self.head_dim,
                 k_data=pools["k_data"],
@@ -206,6 +215,22 @@ class PagedLayer:
                 sink_v=sink_v,
             )
         return kv
+
+    def _tail_rows(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``r`` slots of the tail pools (the same tensor objects for each ``r``)."""
+        hit = self._tail_slices.get(r)
+        if hit is None:
+            hit = self._tail_slices[r] = (self.tail_k[:r], self.tail_v[:r])
+        return hit
+
+    def _decode_backend(self, q: torch.Tensor, kv: PagedKV, kernel: str) -> str:
+        """The decode backend :func:`~kvpack.kernels.choose_backend` picks for this view (kept per view object:
+        the views live across steps and the choice depends on their structure and the query's dtype alone)."""
+        key = (id(kv), q.dtype, kernel)
+        name = self._backend_of.get(key)
+        if name is None:
+            name = self._backend_of[key] = choose_backend(q, kv, None, kernel)
+        return name
 
     def attend(
         self,
@@ -226,14 +251,15 @@ class PagedLayer:
         """
         if st.decode_dense:  # every request decodes, request i's query is token i: no gather, no scatter
             kv = self.view(kv_cache, st)
-            dst = out[: kv.batch]
-            res = decode_attention(query[: kv.batch], kv, sm_scale=sm_scale, backend=kernel,
-                                   out=dst if dst.dtype == query.dtype else None)  # fmt: skip
+            q, dst = query[: kv.batch], out[: kv.batch]
+            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale,
+                              out=dst if dst.dtype == query.dtype else None)  # fmt: skip
             if res is not dst:
                 dst.copy_(res)
         elif st.decode_rows.numel():
             kv = self.view(kv_cache, st, st.decode_rows)
-            res = decode_attention(query[st.decode_tokens], kv, sm_scale=sm_scale, backend=kernel)
+            q = query[st.decode_tokens]
+            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale)
             out[st.decode_tokens] = res.to(out.dtype)
         by_len: dict[int, list[int]] = {}  # prefill rows with the same number of queries share one call
         for i in st.prefill_rows.tolist():

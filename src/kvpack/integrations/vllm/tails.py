@@ -5,10 +5,10 @@ a kvpack block can be quantized only once it is full. So a block that is not ful
 one per running request) keeps its tokens in a full-precision tail; the step that writes its last slot seals it
 into its page, and the tail is released. The tails live in a pool of ``capacity`` slots (``max_num_seqs``, since
 each running request has at most one open block), and :class:`TailTable` maps a block id to the slot holding
-its tail. A request whose last block is full reads no tail position; its row names slot 0, which it never
-reads, so the pool needs no spare slot.
+its tail: the step's request ``i`` holds slot ``i``, so that the layers read the tails in place. A request
+whose last block is full reads no tail position of its slot, so the pool needs no spare slot.
 
-A tail is released when its block seals, when its block id starts over at slot 0 (vLLM handed the block to a new
+A tail is released when its block seals, when its block id starts over at position 0 (vLLM handed the block to a new
 owner), or when the request that owns it finishes or is preempted (:meth:`TailTable.release_blocks`, called
 from the model runner's state update, see :mod:`kvpack.integrations.vllm.hooks`). So a drained engine holds no
 tail, whatever its requests did.
@@ -36,8 +36,8 @@ class StepPlan:
     """What one step writes, for every layer alike (``R`` requests, ``N`` tokens in the step).
 
     Attributes:
-        tail_slot: ``[R]`` int64: the tail slot each request's attention reads (0 when its last block is full
-            after the step: then no tail position is read, ``seq_len % block_size == 0``).
+        tail_slot: ``[R]`` int64: the tail slot each request's attention reads: request ``i`` reads slot ``i``
+            (no position of it when its last block is full after the step, ``seq_len % block_size == 0``).
         write_tok, write_slot, write_off: ``[M]`` int64: token ``write_tok`` (index into the step's tokens) goes
             to tail slot ``write_slot`` at offset ``write_off``.
         seal_block: ``[K]`` int64: block ids sealed by this step.
@@ -46,6 +46,8 @@ class StepPlan:
         seal_tok: ``[K]`` int64: index of the block's first new token in the step's tokens.
         sink_tok, sink_block, sink_pos: ``[Q]`` int64: token ``sink_tok`` is position ``sink_pos < S`` of the
             sequence whose first block is ``sink_block``: its rows go to that page's sink region too.
+        move_src, move_dst: ``[P]`` int64: before this step's writes, the tail in slot ``move_src`` moves to slot
+            ``move_dst`` (all moves read the slots as they were: a permutation of the held tails).
         causal_start: ``[R]`` int64: position of each request's first token in this step.
         query_lens, seq_lens: ``[R]`` int64.
         query_start: ``[R + 1]`` int64: token offsets of the requests in the step.
@@ -62,6 +64,8 @@ class StepPlan:
     sink_tok: np.ndarray
     sink_block: np.ndarray
     sink_pos: np.ndarray
+    move_src: np.ndarray
+    move_dst: np.ndarray
     causal_start: np.ndarray
     query_lens: np.ndarray
     seq_lens: np.ndarray
@@ -73,7 +77,13 @@ def _i64(x: list[int]) -> np.ndarray:
 
 
 class TailTable:
-    """Block id -> tail slot, for ``capacity`` open blocks (slots ``0 .. capacity - 1``)."""
+    """Block id -> tail slot, for ``capacity`` open blocks (slots ``0 .. capacity - 1``).
+
+    A step's request ``i`` keeps its open block's tail in slot ``i``: the layers then read the tails of a step's
+    requests as the first rows of their pools, in place, with no gather. When the rows move (a request finished,
+    joined or was not scheduled this step), the plan says which tails move where (:attr:`StepPlan.move_src`,
+    :attr:`StepPlan.move_dst`), and each layer moves its own before writing; a held tail whose request has no
+    row this step keeps its slot unless a row needs it, and then moves to a slot no row uses."""
 
     def __init__(self, num_blocks: int, capacity: int, block_size: int, sink: int = 0) -> None:
         if capacity < 1 or num_blocks < 1:
@@ -82,12 +92,11 @@ class TailTable:
         self.sink = sink
         self.capacity = capacity
         self.slot_of_block = np.full(num_blocks, -1, dtype=np.int64)
-        self._free = list(range(capacity - 1, -1, -1))
 
     @property
     def num_allocated(self) -> int:
         """Tails held now (zero once the engine has drained)."""
-        return self.capacity - len(self._free)
+        return int(np.count_nonzero(self.slot_of_block >= 0))
 
     def ensure_blocks(self, num_blocks: int) -> None:
         """Grow the block map to ``num_blocks`` ids (vLLM sizes its pool after the builders exist)."""
@@ -103,14 +112,9 @@ class TailTable:
         for bid in block_ids:
             bid = int(bid)
             if 0 <= bid < self.slot_of_block.shape[0] and self.slot_of_block[bid] >= 0:
-                self._release(bid)
+                self.slot_of_block[bid] = -1
                 n += 1
         return n
-
-    def _release(self, bid: int) -> None:
-        slot = int(self.slot_of_block[bid])
-        self.slot_of_block[bid] = -1
-        self._free.append(slot)
 
     def plan(self, query_start: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> StepPlan:
         """Plan one step's writes and update the table (all or nothing: an error changes nothing).
@@ -122,17 +126,22 @@ class TailTable:
 
         Raises:
             TailError: a request writes into the middle of a block that has no tail (a sealed block).
-            PoolExhaustedError: more open blocks than tail slots (more running requests than ``max_num_seqs``).
+            PoolExhaustedError: more requests or open blocks than tail slots (more running requests than
+                ``max_num_seqs``).
         """
         b, cap = self.block_size, self.capacity
         qs = np.asarray(query_start, dtype=np.int64)
         sl = np.asarray(seq_lens, dtype=np.int64)
         r = sl.shape[0]
+        if r > cap:
+            raise PoolExhaustedError(
+                f"this step has {r} requests but the backend holds {cap} tail slots: more running requests than it "
+                "was sized for; keep --max-num-seqs at the value the engine started with"
+            )
         ql = qs[1 : r + 1] - qs[:r]
         start = sl - ql
-        tail_slot = np.zeros(r, dtype=np.int64)  # rows with no open block read none of it
         w_tok: list[int] = []
-        w_req: list[int] = []
+        w_slot: list[int] = []
         w_off: list[int] = []
         s_blk: list[int] = []
         s_slot: list[int] = []
@@ -141,9 +150,8 @@ class TailTable:
         k_tok: list[int] = []
         k_blk: list[int] = []
         k_pos: list[int] = []
-        stale: list[int] = []
-        opened: list[tuple[int, int]] = []  # (request, block id) needing a new slot
-        kept: list[tuple[int, int]] = []  # (request, block id) keeping its slot
+        released: list[int] = []  # blocks whose tail ends this step (sealed, or the id starts over)
+        rows_of: dict[int, int] = {}  # block id -> the row whose open block it is after the step
         for i in range(r):
             c, n, q0 = int(start[i]), int(sl[i]), int(qs[i])
             if n <= c:
@@ -163,46 +171,52 @@ class TailTable:
                         "from a partial prefix-cache hit or a KV transfer that the kvpack backend refuses; "
                         "disable it (see docs/vllm.md)"
                     )
-                if s == 0 and have >= 0:
-                    stale.append(bid)  # the block id starts over: its old tail is garbage
+                if have >= 0 and (s == 0 or e == b):
+                    released.append(bid)  # sealed now, or handed to a new owner (its old tail is garbage)
                 if e == b:
                     s_blk.append(bid)
                     s_slot.append(have if s > 0 else -1)
                     s_from.append(s)
                     s_tok.append(tok0)
                 else:
-                    (kept if s > 0 else opened).append((i, bid))
+                    rows_of[bid] = i
                     w_tok += range(tok0, tok0 + e - s)
                     w_off += range(s, e)
-                    w_req += [i] * (e - s)  # the request's slot is known once the commit has run
+                    w_slot += [i] * (e - s)
             if self.sink and c < self.sink:
                 for p in range(c, min(n, self.sink)):
                     k_tok.append(q0 + p - c)
                     k_blk.append(int(block_table[i, 0]))
                     k_pos.append(p)
-        sealed_with_tail = [bid for bid, slot in zip(s_blk, s_slot) if slot >= 0]
-        free_after = len(self._free) + len(set(stale)) + len(sealed_with_tail)
-        if len(opened) > free_after:
-            raise PoolExhaustedError(
-                f"this step opens {len(opened)} new block(s) but only {free_after} of {cap} tail slots are free: "
-                "more running requests than the backend was sized for; keep --max-num-seqs at the value the engine "
-                "started with"
-            )
-        # -- commit: releases first (a sealing block's tail is read before any write of this step lands) ---
-        for bid in dict.fromkeys(stale):
-            self._release(bid)
-        for bid in sealed_with_tail:
-            self._release(bid)
-        for i, bid in kept:
-            tail_slot[i] = self.slot_of_block[bid]
-        for i, bid in opened:
-            slot = self._free.pop()
+        # tails held by requests with no row this step keep their slot unless a row takes it
+        gone = set(released)
+        rowed = set(rows_of.values())
+        parked = [bid for bid in np.nonzero(self.slot_of_block >= 0)[0].tolist() if bid not in rows_of and bid not in gone]
+        staying = {int(self.slot_of_block[bid]) for bid in parked} - rowed
+        spare = iter(sorted(set(range(cap)) - rowed - staying))
+        new_slot: dict[int, int] = dict(rows_of)
+        for bid in parked:
+            old = int(self.slot_of_block[bid])
+            if old in rowed:
+                slot = next(spare, None)
+                if slot is None:
+                    raise PoolExhaustedError(
+                        f"{len(parked)} requests without a row this step and {len(rowed)} with one hold more open "
+                        f"blocks than the {cap} tail slots: more running requests than the backend was sized for; "
+                        "keep --max-num-seqs at the value the engine started with"
+                    )
+                new_slot[bid] = slot
+        moves = [(int(self.slot_of_block[bid]), slot) for bid, slot in new_slot.items()
+                 if 0 <= self.slot_of_block[bid] != slot and bid not in gone]  # fmt: skip
+        # -- commit -------------------------------------------------------------------------------------
+        for bid in gone:
+            self.slot_of_block[bid] = -1
+        for bid, slot in new_slot.items():
             self.slot_of_block[bid] = slot
-            tail_slot[i] = slot
         return StepPlan(
-            tail_slot=tail_slot,
+            tail_slot=np.arange(r, dtype=np.int64),
             write_tok=_i64(w_tok),
-            write_slot=tail_slot[_i64(w_req)],
+            write_slot=_i64(w_slot),
             write_off=_i64(w_off),
             seal_block=_i64(s_blk),
             seal_slot=_i64(s_slot),
@@ -211,6 +225,8 @@ class TailTable:
             sink_tok=_i64(k_tok),
             sink_block=_i64(k_blk),
             sink_pos=_i64(k_pos),
+            move_src=_i64([m[0] for m in moves]),
+            move_dst=_i64([m[1] for m in moves]),
             causal_start=start,
             query_lens=ql,
             seq_lens=sl,
