@@ -191,7 +191,9 @@ class TailTable:
         # tails held by requests with no row this step keep their slot unless a row takes it
         gone = set(released)
         rowed = set(rows_of.values())
-        parked = [bid for bid in np.nonzero(self.slot_of_block >= 0)[0].tolist() if bid not in rows_of and bid not in gone]
+        parked = [
+            bid for bid in np.nonzero(self.slot_of_block >= 0)[0].tolist() if bid not in rows_of and bid not in gone
+        ]
         staying = {int(self.slot_of_block[bid]) for bid in parked} - rowed
         spare = iter(sorted(set(range(cap)) - rowed - staying))
         new_slot: dict[int, int] = dict(rows_of)
