@@ -644,6 +644,11 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     a numba call with this many arguments costs ~5-20 us under the GIL. Small calls run on the calling
     thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_numba.launch_plan`), one
     thread per run.
+
+    The decode kernel (:func:`cpu_numba.work`) runs on numba's own thread pool (:func:`cpu_numba.launch`, one
+    compiled call), everything else on a Python thread pool. Measured in vLLM on the 2-core development VM
+    (`kvpack bench vllm --quick`, int4): 137 tok/s on the Python pool, 169 on numba's; a Python pool thread
+    woken between torch's operators waits for a core that torch's own OpenMP workers still hold.
     """
     global _pool
     if runs is None:
@@ -652,6 +657,10 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     threads = runs.shape[0]
     if threads == 1:
         fn(0, runs, items, *args)
+        return
+    nbm = _nb()
+    if fn is nbm.work:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_numba.launch
+        nbm.launch(threads, runs, items, *args)
         return
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:
