@@ -11,9 +11,10 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
-     "warmup": true, "detokenize": true, "engine_kwargs": {...more vllm.LLM arguments}}
+     "warmup": true, "warmup_requests": 1, "detokenize": true, "engine_kwargs": {...more vllm.LLM arguments}}
 
-``warmup`` runs four requests first, outside the counts and the timing (kernel compilation, first calls).
+``warmup`` runs ``warmup_requests`` (default 1) requests first, outside the counts and the timing (kernel
+compilation, first calls).
 On CUDA a kvpack format needs ``engine_kwargs={"attention_backend": "CUSTOM"}`` (vLLM's CUDA platform picks its own
 backend otherwise); a job with a format whose engine holds no kvpack tail table fails rather than measure vLLM's
 own cache under kvpack's name.
@@ -124,10 +125,11 @@ def _main() -> None:
     core = llm.llm_engine.engine_core.engine_core
     if job.get("warmup", True):  # compiled kernels and first-call costs out of the timing, for every provider
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=job.get("detokenize", True))
-        # four requests of up to 448 tokens: enough blocks that decode also runs on several threads (its own
-        # compiled entry, for the page views' array layouts)
-        n = max(1, min(448, kw["max_model_len"] - 8))
-        warm_prompts = [TokensPrompt(prompt_token_ids=[7 + (i * (r + 1)) % 50 for i in range(n)]) for r in range(4)]
+        # with warmup_requests > 1 (the benchmarks: 4), requests of up to 448 tokens: enough blocks that decode
+        # also runs on several threads (its own compiled entry, for the page views' array layouts)
+        many = int(job.get("warmup_requests", 1))
+        n = max(1, min(448 if many > 1 else 80, kw["max_model_len"] - 8))
+        warm_prompts = [TokensPrompt(prompt_token_ids=[7 + (i * (r + 1)) % 50 for i in range(n)]) for r in range(many)]
         llm.generate(warm_prompts, warm, use_tqdm=False)
         while core.scheduler.has_requests():
             llm.llm_engine.step()

@@ -3,10 +3,12 @@
 :class:`PagedLayer` is what the vLLM impl calls each step (and what the tests drive with a simulated scheduler).
 Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 
-1. seals the blocks this step fills: their tail rows and new tokens quantized with :func:`kvpack.quant.quantize`
-   into the block's page (block-local scales, computed once; the page never changes again);
+1. seals the blocks this step fills: their tail rows and new tokens quantized into the block's page
+   (block-local scales, computed once; the page never changes again), integer formats on the CPU in one
+   compiled call (:mod:`kvpack.kernels.cpu_seal`), others with :func:`kvpack.quant.quantize`;
 2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
-3. attends: decode rows (one query) through :func:`kvpack.kernels.decode_attention`, which reads the packed pages
+3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
+   view (:func:`kvpack.kernels.run_backend`), which reads the packed pages
    in place; rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
    the fused chunk kernel (:func:`kvpack.kernels.run_chunk_backend`; rows with the same number of queries in one
    call), or :func:`kvpack.kernels.reference.paged_attention_reference` where none can run.
@@ -23,7 +25,7 @@ import torch
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan
-from kvpack.kernels import choose_backend, fused_chunk_backend, run_backend, run_chunk_backend
+from kvpack.kernels import choose_backend, cpu_seal, fused_chunk_backend, run_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import _raise_non_finite, all_finite, quantize
@@ -119,16 +121,21 @@ class PagedLayer:
             blocks_k.append(new_k)
             blocks_v.append(new_v)
         ids = torch.from_numpy(plan.seal_block).to(k.device)
-        quantized = []
-        for spec, blocks in ((self.format.key, blocks_k), (self.format.value, blocks_v)):
+        xs = []
+        for blocks in (blocks_k, blocks_v):
             x = torch.stack(blocks)  # [K, H, B, D]
             if not all_finite(x):
                 _raise_non_finite(x)  # NonFiniteError naming block, head and position; nothing written
-            quantized.append(quantize(x, spec))
-        for prefix, qt in zip(("k", "v"), quantized):
+            xs.append(x)
+        for prefix, spec, x in zip(("k", "v"), (self.format.key, self.format.value), xs):
+            rows = {part: pools.get(f"{prefix}_{part}_bytes") for part in ("data", "scale", "zero")}
+            if x.device.type == "cpu" and cpu_seal.supports(spec):  # one compiled call, the same bytes
+                cpu_seal.seal_blocks(x, spec, plan.seal_block, rows["data"], rows["scale"], rows["zero"])
+                continue
+            qt = quantize(x, spec)
             for part, t in (("data", qt.data), ("scale", qt.scale), ("zero", qt.zero)):
                 if t is not None:
-                    pools[f"{prefix}_{part}_bytes"][ids] = t.contiguous().view(torch.uint8).reshape(len(ids), -1)
+                    rows[part][ids] = t.contiguous().view(torch.uint8).reshape(len(ids), -1)
 
     def write(self, kv_cache: torch.Tensor, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the step's new keys and values.

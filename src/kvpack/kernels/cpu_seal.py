@@ -1,0 +1,77 @@
+"""Seal full blocks of an integer format on the CPU in one compiled call, straight into their byte rows.
+
+The result is byte for byte what :func:`kvpack.quant.quantize` stores (``tests/test_cpu_seal.py`` holds the two
+side by side); :func:`supports` says which specs take this path: int8/int4/int2 payloads with float16 scales
+(and zero-points) chosen at seal time, no rotation, no outlier channels: every integer preset. Anything else,
+and a CPU without numba, goes through :func:`kvpack.quant.quantize`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpack.formats import QuantSpec, ScaleDType
+
+__all__ = ["seal_blocks", "supports"]
+
+
+def supports(spec: QuantSpec) -> bool:
+    """Whether :func:`seal_blocks` seals ``spec`` (else use :func:`kvpack.quant.quantize`)."""
+    return (
+        spec.dtype.is_int
+        and spec.granularity is not None
+        and spec.scale_dtype is ScaleDType.FP16
+        and not (spec.static or spec.rotate or spec.has_outliers)
+        and _numba() is not None
+    )
+
+
+@functools.cache
+def _numba() -> Any:
+    try:
+        from kvpack.kernels import cpu_seal_numba
+    except ImportError:  # pragma: no cover - numba is part of the cpu extra
+        return None
+    return cpu_seal_numba
+
+
+@functools.cache
+def _f16_table() -> np.ndarray:
+    """``[65536]`` float32: every float16 bit pattern's value."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def seal_blocks(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    ids: np.ndarray,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+) -> bool:
+    """Quantize ``x`` and write each block's payload, scales and zero-points into row ``ids[k]``.
+
+    Args:
+        x: ``[K, H, T, D]`` the blocks, any float dtype, on the CPU.
+        spec: a spec :func:`supports` accepts.
+        ids: ``[K]`` int64 destination rows.
+        data, scale, zero: ``[NB, n]`` uint8 rows (strided rows allowed): the payload bytes (``[H, T, packed]``
+            per row), the float16 scales and zero-points (``[Hs, Ts, Cs]``); ``zero`` None for a symmetric spec.
+
+    Returns:
+        False, with nothing written, when ``x`` holds a NaN or inf (raise with
+        :func:`kvpack.quant._raise_non_finite`).
+    """
+    nbm = _numba()
+    h, t, d = x.shape[-3:]
+    hs, ts, cs = spec.granularity.scale_shape(h, t, d)
+    xf = x.detach().to(torch.float32).contiguous().numpy()
+    dn, sn = data.numpy(), scale.numpy()
+    zn = sn if zero is None else zero.numpy()
+    err = nbm.seal_int(xf, hs, ts, cs, spec.bits, spec.has_zero, spec.qmin, spec.qmax, _f16_table(),
+                       np.ascontiguousarray(ids, dtype=np.int64), dn, sn, zn)  # fmt: skip
+    return err == 0

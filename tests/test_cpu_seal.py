@@ -1,0 +1,117 @@
+"""The compiled seal (kvpack.kernels.cpu_seal) against the torch quantizer: the same bytes, every time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from kvpack import parse_format
+from kvpack.formats import PRESETS, QuantSpec
+from kvpack.kernels import cpu_seal
+from kvpack.quant import quantize
+
+pytest.importorskip("numba")
+
+POISON = 0xA5
+
+
+def _rows(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [n, width] uint8 with a poisoned gap after each row, backing buffer)``."""
+    buf = torch.full((n, width + 8), POISON, dtype=torch.uint8)
+    return buf[:, :width], buf
+
+
+def _expected(x: torch.Tensor, spec: QuantSpec) -> list[torch.Tensor]:
+    qt = quantize(x, spec)
+    k = x.shape[0]
+    parts = [qt.data, qt.scale] + ([qt.zero] if spec.has_zero else [])
+    return [p.contiguous().view(torch.uint8).reshape(k, -1) for p in parts]
+
+
+def _seal(x: torch.Tensor, spec: QuantSpec, ids: np.ndarray, nb: int) -> tuple[bool, list[torch.Tensor], list]:
+    want = _expected(x, spec) if torch.isfinite(x).all() else None
+    widths = [w.shape[1] for w in want] if want is not None else _widths(x, spec)
+    outs = [_rows(nb, w) for w in widths]
+    ok = cpu_seal.seal_blocks(x, spec, ids, outs[0][0], outs[1][0], outs[2][0] if spec.has_zero else None)
+    return ok, want, outs
+
+
+def _widths(x: torch.Tensor, spec: QuantSpec) -> list[int]:
+    return [w.shape[1] for w in _expected(torch.zeros_like(x), spec)]
+
+
+def _check(x: torch.Tensor, spec: QuantSpec, seed: int = 0) -> None:
+    k = x.shape[0]
+    nb = k + 3
+    ids = np.random.default_rng(seed).permutation(nb)[:k].astype(np.int64)
+    ok, want, outs = _seal(x, spec, ids, nb)
+    assert ok
+    for (rows, buf), w in zip(outs, want):
+        assert torch.equal(rows[torch.from_numpy(ids)], w), f"{spec}: bytes differ"
+        assert (buf[:, -8:] == POISON).all(), "a write strayed past its row"
+        others = [i for i in range(nb) if i not in set(ids.tolist())]
+        assert (rows[others] == POISON).all(), "a row that was not sealed was written"
+
+
+SPECS = sorted({str(s) for f in PRESETS.values() for s in (f.key, f.value) if cpu_seal.supports(s)})
+EXTRA = ["int8:token:asym:fp16", "int4:channel:sym:fp16", "int2:g16:sym:fp16", "int8:head:sym:fp16",
+         "int4:tensor:asym:fp16", "int2:channel:asym:fp16"]  # fmt: skip
+
+
+def test_every_integer_preset_takes_the_compiled_seal():
+    assert {"int8:channel:sym:fp16", "int4:channel:asym:fp16", "int4:g32:asym:fp16", "int2:g32:asym:fp16"} <= set(SPECS)
+    assert not cpu_seal.supports(parse_format("fp8").key)  # fp8 and rotated keys stay on the torch quantizer
+    assert not cpu_seal.supports(parse_format("int4-o4").key)  # outlier channels too
+
+
+def _key(spec: str) -> QuantSpec:
+    return parse_format(f"k={spec},v={spec}").key
+
+
+SHAPES = [(3, 2, 64, 64), (1, 1, 16, 256), (2, 3, 32, 48)]  # [blocks, kv heads, block size, head_dim]
+CASES = [(s, shape) for s in SPECS + EXTRA for shape in SHAPES if not _key(s).reasons_invalid(shape[-1])]
+
+
+@pytest.mark.parametrize(("spec", "shape"), CASES)
+def test_compiled_seal_writes_the_torch_quantizers_bytes(spec, shape):
+    q = _key(spec)
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    x[..., 5] += 40.0  # an outlier channel
+    x[0, 0, :, 7] = 2.5  # a constant channel: zero span, scale 1
+    x[-1, -1, 3] = 0.0  # a zero token
+    _check(x, q)
+    _check(x.to(torch.bfloat16), q)  # the model's dtype: upcast like quantize does
+
+
+@pytest.mark.parametrize("spec", ["int4:channel:asym:fp16", "int8:channel:sym:fp16", "int2:g32:asym:fp16"])
+@pytest.mark.parametrize("scale", [1e-7, 3e-5, 1e3, 1e6])
+def test_float16_edges_tiny_and_saturated_scales(spec, scale):
+    """Scales below float16's normals (kept at 2**-14) and zero-points past its range (saturated)."""
+    q = _key(spec)
+    x = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(3)) * scale
+    _check(x, q)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    x=hnp.arrays(np.float32, (1, 2, 8, 16), elements=st.floats(-7e4, 7e4, width=32, allow_subnormal=True)),
+    spec=st.sampled_from(["int4:channel:asym:fp16", "int8:token:sym:fp16", "int2:g8:asym:fp16"]),
+)
+def test_any_finite_block_seals_to_the_same_bytes(x, spec):
+    _check(torch.from_numpy(x.copy()), _key(spec))
+
+
+def test_a_non_finite_block_writes_nothing():
+    q = parse_format("int4").key
+    x = torch.randn(2, 2, 64, 64)
+    x[1, 0, 9, 3] = float("nan")
+    rows, buf = _rows(4, 2 * 64 * 32)
+    srows, sbuf = _rows(4, 2 * 64 * 2)
+    zrows, zbuf = _rows(4, 2 * 64 * 2)
+    assert not cpu_seal.seal_blocks(x, q, np.array([0, 2]), rows, srows, zrows)
+    assert (buf == POISON).all() and (sbuf == POISON).all() and (zbuf == POISON).all()
