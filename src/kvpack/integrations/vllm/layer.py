@@ -41,7 +41,6 @@ class StepTensors:
     Attributes:
         block_table: ``[R, W]`` int32 block ids.
         seq_lens: ``[R]`` int32 tokens per request after the step.
-        tail_slot: ``[R]`` int64 each request's tail slot (:attr:`StepPlan.tail_slot`).
         decode_rows: ``[Rd]`` int64 requests with one query; decode_tokens: ``[Rd]`` int64 their query's token.
         prefill_rows: requests with several queries (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
@@ -49,7 +48,6 @@ class StepTensors:
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    tail_slot: torch.Tensor
     decode_rows: torch.Tensor
     decode_tokens: torch.Tensor
     prefill_rows: np.ndarray
@@ -64,7 +62,6 @@ class StepTensors:
         return cls(
             block_table=block_table.to(torch.int32),
             seq_lens=torch.from_numpy(plan.seq_lens.astype(np.int32)).to(dev),
-            tail_slot=torch.from_numpy(plan.tail_slot).to(dev),
             decode_rows=torch.from_numpy(decode).to(dev),
             decode_tokens=torch.from_numpy(plan.query_start[decode]).to(dev),
             prefill_rows=np.nonzero(ql > 1)[0],
@@ -194,9 +191,8 @@ class PagedLayer:
         else:
             torch.index_select(st.block_table, 0, rows, out=tables)
             torch.index_select(st.seq_lens, 0, rows, out=lens)
-            slots = st.tail_slot[rows]
-            torch.index_select(self.tail_k, 0, slots, out=tail_k)
-            torch.index_select(self.tail_v, 0, slots, out=tail_v)
+            torch.index_select(self.tail_k, 0, rows, out=tail_k)  # request i's tail is slot i (TailTable)
+            torch.index_select(self.tail_v, 0, rows, out=tail_v)
         if sink_k is not None:
             first = tables[:, 0].long()
             torch.index_select(pools["sink_k"], 0, first, out=sink_k)
