@@ -32,6 +32,9 @@ SEQS = 8
 TAIL = tail_pool_bytes(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
 # 20 int8 pages of every layer after the tails: about 3 of the 12 requests at once
 KV_BYTES = 20 * PageLayout.build(parse_format("int8"), KV_HEADS, HEAD_DIM, torch.float32).page_bytes * LAYERS + TAIL
+# One OpenMP thread per engine: the suite runs two test files at once on a 2-core machine, and two engines whose
+# OpenMP threads spin for the same cores each ran ~6x slower than alone (one thread each: 1.3x).
+ENGINE_THREADS = 1
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def job():
     prompts = workload(prose_token_ids(path), requests=12, prefix=192, extra=(40, 200), seed=3)
     return {
         "model": path, "prompts": prompts, "max_tokens": 64, "kv_bytes": KV_BYTES, "max_num_seqs": SEQS,
-        "max_model_len": 512, "max_num_batched_tokens": 256,
+        "max_model_len": 512, "max_num_batched_tokens": 256, "threads": ENGINE_THREADS,
     }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ LAYERS, KV_HEADS, HEAD_DIM, SEQS = 30, 3, 64, 8  # SmolLM2-135M
 # the budget of test_vllm_engine.py: 20 int8 pages of every layer after the tails
 KV_BYTES = 20 * PageLayout.build(parse_format("int8"), KV_HEADS, HEAD_DIM, torch.float32).page_bytes * LAYERS
 KV_BYTES += tail_pool_bytes(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
+ENGINE_THREADS = 1  # as in test_vllm_engine.py: two engines at once on 2 cores, one OpenMP thread each
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +32,20 @@ def job():
     path = str(ensure_converted())
     prompts = workload(prose_token_ids(path), requests=1, prefix=192, extra=(40, 200), seed=3)
     return {"model": path, "prompts": prompts, "max_tokens": 64, "kv_bytes": KV_BYTES, "max_num_seqs": SEQS,
-            "max_model_len": 512, "max_num_batched_tokens": 256}  # fmt: skip
+            "max_model_len": 512, "max_num_batched_tokens": 256, "threads": ENGINE_THREADS}  # fmt: skip
 
 
 def test_a_thousand_requests_leave_no_tail_allocated():
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 20000, size=int(n)).tolist() for n in rng.integers(3, 40, size=1000)]
+    # prompts of 2-19 tokens and 3 new ones: tails that seal, tails that stay open, and requests preempted with one
+    prompts = [rng.integers(100, 20000, size=int(n)).tolist() for n in rng.integers(2, 20, size=1000)]
     res = run_engine({
         "model": str(ensure_converted()), "format": "int8,block=16", "prompts": prompts, "max_tokens": 3,
         "kv_bytes": 32 * 2**20, "max_num_seqs": 32, "max_model_len": 64, "max_num_batched_tokens": 512,
-        "block_size": 16, "kernel": "reference",
+        "block_size": 16, "kernel": "reference", "threads": ENGINE_THREADS,
     })  # fmt: skip
-    assert len(res["outputs"]) == 1000
+    assert len(res["outputs"]) == 1000 and all(len(o) == 3 for o in res["outputs"])
+    assert res["preemptions"] > 0, "the KV space was meant to force preemption"
     assert res["tails_left"] == 0
 
 

@@ -67,7 +67,8 @@ def _server_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_TARGET_DEVICE"):  # the command's space; platform plugins on
         env.pop(name, None)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    # one OpenMP thread: other test files run beside this one (see ENGINE_THREADS in test_vllm_engine.py)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1", OMP_NUM_THREADS="1")
     paths = [str(Path(kvpack.__file__).resolve().parents[1])]
     try:
         importlib.metadata.version("vllm")
@@ -167,7 +168,7 @@ def test_server_completion_equals_offline_llm(model, prompt_ids, tmp_path):
     # offline first: its warm-up fills numba's disk cache, so the server's first request does not compile
     offline = run_engine({
         "model": model, "format": "int8", "prompts": [prompt_ids], "max_tokens": MAX_TOKENS, "kv_bytes": KV_BYTES,
-        "ignore_eos": False, **LIMITS,
+        "ignore_eos": False, "threads": 1, **LIMITS,
     })  # fmt: skip
     port, logs = _free_port(), tmp_path / "logs"
     with _server(_serve_args(model, "int8", port), _server_env(tmp_path), logs) as proc:
