@@ -37,8 +37,8 @@ _LOG2E = 1.4426950408889634
 # one dequantization (at 384 rows the dequantization was a third of the time); fewer leave more items for the
 # threads. Rows are padded to the product's row tile (6, or 32 on the AMX unit).
 ROWS_PER_TILE = 1024
-# Positions per softmax step (whole blocks, at least one): one score tile [rows, step], one rescale per step.
-# 1024 x 256 keeps one item's scratch at ~3.3 MB per thread.
+# Positions per softmax step (whole blocks, at least one): one rescale per step; the scores and weights are held
+# for one register tile of rows at a time, so 1024 rows x 256 positions need ~1.8 MiB of scratch per thread.
 STEP_TOKENS = 256
 
 
@@ -84,8 +84,9 @@ def _step_blocks(block_size: int) -> int:
 
 def scratch_bytes(kv: PagedKV, t: int, group: int, threads: int | None = None) -> int:
     """Bytes of scratch the kernel allocates at most at once for ``t`` queries of ``group`` heads per kv
-    head: one work item's tiles per thread (queries, scores, weights, accumulators, the step's keys and values
-    in float32 and as bfloat16 words), independent of the history's length."""
+    head: one work item's tiles per thread (queries and accumulators of its rows, the scores and weights of one
+    register tile of rows, the step's keys and values in float32 and as bfloat16 words), independent of the
+    history's length."""
     nbm = _nb()
     threads = threads or max(1, torch.get_num_threads())
     rows = min(ROWS_PER_TILE, t * group)
@@ -93,8 +94,8 @@ def scratch_bytes(kv: PagedKV, t: int, group: int, threads: int | None = None) -
     rp = -(-rows // mr) * mr
     dp = -(-kv.head_dim // nbm.NL) * nbm.NL
     nkp = -(-(_step_blocks(kv.block_size) * kv.block_size) // nbm.NL) * nbm.NL
-    words = rp * 3 * dp // 2 + rp * nkp // 2 + 3 * dp // 2 * nkp + nkp // 2 * dp  # uint32 tiles
-    floats = rp * nkp + rp * dp + 2 * rp + 2 * nkp * dp
+    words = rp * 3 * dp // 2 + mr * nkp // 2 + 3 * dp // 2 * nkp + nkp // 2 * dp  # uint32 tiles
+    floats = mr * nkp + rp * dp + 2 * rp + 2 * nkp * dp
     return threads * 4 * (words + floats + rp * 4)
 
 

@@ -7,8 +7,8 @@ The tile walks the history it attends in steps of whole blocks: each step dequan
 scales, zero-points, outlier residuals, the sink rows, the tail) into a small float32 tile ``[step, D]`` shared
 by all rows of the tile, computes the scores of all rows with one small matrix product, applies each row's
 causal bound, window and left padding, and updates each row's online softmax (base 2: the query arrives
-scores times ``sm_scale * log2(e)``). Scratch is O(rows x step + step x D) per thread; the history is
-never materialized.
+scores times ``sm_scale * log2(e)``). Scratch is O(rows x D + step x D) per thread (the scores and weights
+of one register tile of rows at a time); the history is never materialized.
 
 The two products run on bfloat16 operands with float32 sums: on the AMX tile unit (``tdpbf16ps``, 32 rows per
 call, ``B`` packed in 16-column panels; :func:`_gemm_amx_ir`) where the CPU has it and Linux grants the process
@@ -546,28 +546,29 @@ def _pair_values(vf, nkp, dp, vx, packed):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _softmax_step(sc, r, a, e, nkp, scale, mrow, lrow, pw16, acc, dp):
-    """Online softmax of row ``r`` over the step's scores ``scale * sc[r, a:e]`` (others get weight 0): updates the
-    row's max and sum, rescales its accumulator, writes its bfloat16 weights ``pw16[r * nkp : (r + 1) * nkp]``."""
+def _softmax_step(sc, rl, r, a, e, nkp, scale, mrow, lrow, pw16, acc, dp):
+    """Online softmax of row ``r`` over the step's scores ``scale * sc[rl, a:e]`` (others get weight 0; ``rl``: the
+    row's place in the row tile's score buffer): updates the row's max and sum, rescales its accumulator, writes its
+    bfloat16 weights ``pw16[rl * nkp : (rl + 1) * nkp]``."""
     un = U64(nkp)
-    base = U64(r) * un
+    base = U64(rl) * un
     if a >= e:
         for i in range(un):
             pw16[base + i] = np.uint16(0)
         return
     ua, ue = U64(a), U64(e)
     for i in range(un):  # one select per lane: vectorizes
-        x = sc[r, i] * scale
-        sc[r, i] = x if i >= ua and i < ue else _NEG_INF
+        x = sc[rl, i] * scale
+        sc[rl, i] = x if i >= ua and i < ue else _NEG_INF
     mk = _order_key(mrow[r])
     for i in range(un):
-        mk = max(mk, _order_key(sc[r, i]))
+        mk = max(mk, _order_key(sc[rl, i]))
     mx = _from_order_key(mk)
     alpha = _exp2(mrow[r] - mx)
     mrow[r] = mx
     tot = _ZERO
     for i in range(un):
-        b16 = _bf16_bits(_exp2(sc[r, i] - mx))
+        b16 = _bf16_bits(_exp2(sc[rl, i] - mx))
         tot += _as_f32(b16 << np.uint32(16))
         pw16[base + i] = np.uint16(b16)
     lrow[r] = lrow[r] * alpha + tot
@@ -595,10 +596,10 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
     k2q = 3 * dp // 2  # words of the score reduction: q_hi.k_hi + q_hi.k_lo + q_lo.k_hi
     k2u = k2q if q_lo else dp  # bfloat16 queries have no low part: q_hi.k_hi + q_hi.k_lo
     nkp = -(-(step_blocks * bs) // NL) * NL  # positions per step, padded to whole lane groups
-    # scratch (per item, O(rows x step + step x D))
+    # scratch (per item, O(rows x D + step x D)): the scores and weights of one row tile at a time
     qx16 = np.zeros(rp * 2 * k2q, np.uint16)  # [rp, q_hi | q_hi | q_lo] bfloat16
-    sc = np.empty((rp, nkp), np.float32)
-    pw16 = np.zeros(rp * nkp, np.uint16)  # [rp, nkp] bfloat16 weights
+    sc = np.empty((mr, nkp), np.float32)
+    pw16 = np.zeros(mr * nkp, np.uint16)  # [mr, nkp] bfloat16 weights
     acc = np.zeros((rp, dp), np.float32)
     mrow = np.full(rp, _NEG_INF, np.float32)
     lrow = np.zeros(rp, np.float32)
@@ -654,23 +655,24 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
                     vf[i, c] = _ZERO
             _split_keys(kf, nkp, dp, kx, packed)
             _pair_values(vf, nkp, dp, vx, packed)
-            for n0 in range(0, nkp, NL):  # scores of all rows: [rp, nkp]
-                for m0 in range(0, rp, mr):
-                    if packed:
-                        _gemm(sflat, m0 * nkp + n0, qx, m0 * k2q, kx, n0 * k2q, k2q, k2q, nkp, k2u, 1)
-                    else:
-                        _gemm(sflat, m0 * nkp + n0, qx, m0 * k2q, kx, n0, k2q, nkp, nkp, k2u, 1)
             p0 = ja * bs
-            for r in range(nr):
-                _softmax_step(sc, r, max(lo[r] - p0, 0), min(hi[r] - p0 + 1, nvalid), nkp, scale, mrow, lrow, pw16,
-                              acc, dp)  # fmt: skip
-            for m0 in range(0, rp, mr):
+            for m0 in range(0, rp, mr):  # one row tile at a time: scores [mr, nkp], softmax, weights x values
+                for n0 in range(0, nkp, NL):
+                    if packed:
+                        _gemm(sflat, n0, qx, m0 * k2q, kx, n0 * k2q, k2q, k2q, nkp, k2u, 1)
+                    else:
+                        _gemm(sflat, n0, qx, m0 * k2q, kx, n0, k2q, nkp, nkp, k2u, 1)
+                m1 = min(m0 + mr, nr)
+                for r in range(m0, m1):
+                    _softmax_step(sc, r - m0, r, max(lo[r] - p0, 0), min(hi[r] - p0 + 1, nvalid), nkp, scale, mrow,
+                                  lrow, pw16, acc, dp)  # fmt: skip
+                for i in range(U64(max(m1 - m0, 0)) * U64(nkp), U64(mr * nkp)):  # padding rows weigh nothing
+                    pw16[i] = np.uint16(0)
                 for c0 in range(0, dp, NL):
                     if packed:
-                        _gemm(aflat, m0 * dp + c0, pw, m0 * (nkp // 2), vx, c0 * (nkp // 2), nkp // 2, nkp // 2, dp,
-                              nkp // 2, 0)  # fmt: skip
+                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0 * (nkp // 2), nkp // 2, nkp // 2, dp, nkp // 2, 0)
                     else:
-                        _gemm(aflat, m0 * dp + c0, pw, m0 * (nkp // 2), vx, c0, nkp // 2, dp, dp, nkp // 2, 0)
+                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0, nkp // 2, dp, dp, nkp // 2, 0)
             ja = jb
     for r in range(nr):
         t = (r0 + r) // group
