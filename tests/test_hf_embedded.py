@@ -114,3 +114,9 @@ def test_bench_generate_runs_every_provider(use_cache_dir, capsys):
     assert isolated["isolation"] == "process" and isolated["not_run"] == []
     (row,) = isolated["rows"]
     assert row["provider"] == "dynamic" and row["steps"] == 3 and row["cache_bytes"] == dyn[1]
+    # time to first token with each call in a fresh process (no row here has run a kvpack kernel before it)
+    args = parser.parse_args([*argv, "--batch", "1", "--skip", "dynamic,quantized,kvpack", "--ttft-rounds", "1"])
+    assert bench_generate.run(args) == 0
+    ttft = json.loads(capsys.readouterr().out)["ttft"]
+    assert [r["provider"] for r in ttft] == ["dynamic", "kvpack-int8"]
+    assert all(r["ttft_ms"] > 0 and r["rounds"] == 1 and r["prompt_tokens"] == 130 for r in ttft)

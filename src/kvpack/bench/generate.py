@@ -17,12 +17,16 @@ Cache bytes are compared with :meth:`kvpack.formats.KVFormat.bytes_for_tokens` (
 
 Time-to-first-token (``--ttft-rounds``): the context as one prompt from an empty cache, batch 1, DynamicCache
 against each kvpack format (whose prompt attends its own quantized keys through the fused chunk kernel),
-alternated round by round.
+alternated round by round; with ``--isolation process`` each provider's call of a round runs in a fresh process
+after one untimed call there. In one process the baseline would not be what transformers gives: once numba's
+``omp`` thread pool has started (the first kvpack kernel call), torch's CPU flash attention runs up to 5x slower
+in that process (numba's pool loads the system's libgomp beside the one torch bundles; docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         help="time-to-first-token of the context as one prompt (batch 1), DynamicCache and each kvpack format "
-        "alternated for this many rounds; 0 skips it (default 3)",
+        "alternated for this many rounds (with --isolation process, each call in a fresh process); 0 skips it "
+        "(default 3)",
     )
     parser.add_argument("--quick", action="store_true", help="small run: context 512, batch 1,2, 16 new tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -166,13 +172,24 @@ def _first_token(model: Any, ids: torch.Tensor, fmt: Any, backend: str) -> float
     return time.perf_counter() - t0
 
 
-def _ttft_rows(model: Any, ids: torch.Tensor, formats: list[Any], backend: str, rounds: int) -> list[dict]:
-    """Time-to-first-token per provider, the providers alternated ``rounds`` times after one untimed warm-up
-    each (kernel compilation, allocator); medians, with the ratio to DynamicCache's."""
+def _ttft_rows(
+    model: Any,
+    ids: torch.Tensor,
+    formats: list[Any],
+    backend: str,
+    rounds: int,
+    isolated: Callable[[str | None], float] | None = None,
+) -> list[dict]:
+    """Time-to-first-token per provider, the providers alternated ``rounds`` times; medians, with the ratio to
+    DynamicCache's. In this process (``isolated`` None) after one untimed call of each provider (kernel
+    compilation, allocator); else ``isolated(format_name)`` times one call in a fresh process (None: DynamicCache)."""
     providers = [("dynamic", None)] + [(f"kvpack-{f.name}", f) for f in formats]
     times: dict[str, list[float]] = {name: [] for name, _ in providers}
-    for r in range(rounds + 1):
+    for r in range(rounds + (isolated is None)):
         for name, fmt in providers:
+            if isolated is not None:
+                times[name].append(isolated(None if fmt is None else fmt.name))
+                continue
             dt = _first_token(model, ids, fmt, backend)
             if r:
                 times[name].append(dt)
@@ -279,6 +296,14 @@ def worker(argv: list[str] | None = None) -> int:
     from kvpack.models import load_model
 
     model, _ = load_model(spec["model"])
+    if "ttft_format" in spec:  # one provider's time to first token: an untimed call, then the timed one
+        from kvpack.formats import parse_format
+
+        ids = torch.load(spec["ids"], weights_only=True)
+        fmt = None if spec["ttft_format"] is None else parse_format(spec["ttft_format"])
+        _first_token(model, ids, fmt, spec["backend"])
+        atomic_write_text(spec["out"], json.dumps({"seconds": _first_token(model, ids, fmt, spec["backend"])}))
+        return 0
     saved = torch.load(spec["prefill"], weights_only=True)
     row = measure(
         model, saved["kv"], saved["first"], spec["provider"], spec["batch"], spec["new_tokens"], spec["backend"]
@@ -306,6 +331,15 @@ def _isolated(spec: dict, folder: Path, index: int) -> dict:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         return {"error": f"exit status {proc.returncode}: {lines[-1] if lines else 'no output'}"}
     return json.loads(Path(spec["out"]).read_text())
+
+
+def _ttft_isolated(base: dict, folder: Path, fmt: str | None) -> float:
+    """Seconds to the first token of provider ``fmt`` (None: DynamicCache) in a fresh process (:func:`worker`)."""
+    index = len(list(folder.glob("spec*.json")))
+    row = _isolated({**base, "ttft_format": fmt}, folder, index)
+    if "error" in row:
+        raise RuntimeError(f"time to first token of {fmt or 'DynamicCache'} failed: {row['error']}")
+    return float(row["seconds"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,8 +410,13 @@ def run(args: argparse.Namespace) -> int:
                     not_run.append(f"{prov['name']} batch {batch}: failed ({row['error']})")
                 else:
                     rows.append(row)
-    model.set_attn_implementation("sdpa")
-    ttft = _ttft_rows(model, ids, formats, args.backend, args.ttft_rounds) if args.ttft_rounds else []
+        model.set_attn_implementation("sdpa")
+        isolated = None
+        if args.isolation == "process" and args.ttft_rounds:
+            torch.save(ids, Path(tmp) / "ids.pt")
+            base = {"model": args.model, "threads": threads, "ids": str(Path(tmp) / "ids.pt"), "backend": args.backend}
+            isolated = functools.partial(_ttft_isolated, base, Path(tmp))
+        ttft = _ttft_rows(model, ids, formats, args.backend, args.ttft_rounds, isolated) if args.ttft_rounds else []
     result = {
         "model": args.model or "embedded SmolLM2-135M-Instruct",
         "dtype": str(model.dtype).replace("torch.", ""),
