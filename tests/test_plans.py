@@ -165,10 +165,24 @@ def test_a_plan_cache_in_transformers_matches_the_single_formats_it_is_made_of()
         kvpack.hf.cache_for(model, format="int4/int8[7]")
 
 
-def test_the_vllm_backend_refuses_a_plan_with_one_line_saying_what_to_do():
-    cfg = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8[0]"}})
-    with pytest.raises(ConfigError, match="per-layer plan, which the vLLM backend does not serve yet"):
-        settings_from(cfg)
+def test_the_vllm_settings_take_a_plan_and_name_each_layers_format():
+    cfg = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8[0,5-6]"}})
+    s = settings_from(cfg)
+    assert s.name == "int4/int8[0,5-6]" and s.format == parse_format("int4")
+    assert [s.layer_format(i).name for i in range(8)] == [
+        "int8",
+        "int4",
+        "int4",
+        "int4",
+        "int4",
+        "int8",
+        "int8",
+        "int4",
+    ]
+    assert [f.name for f in s.formats] == ["int4", "int8"]
+    uneven = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8,sink=0[1]"}})
+    with pytest.raises(ConfigError, match="differ.* in block size or sink rows"):
+        settings_from(uneven)
 
 
 def test_greedy_plans_widen_the_worst_layer_first_and_the_search_measures_what_it_picks():

@@ -90,6 +90,9 @@ def test_backend_check_pays_the_tails_where_no_config_step_did():
         ({"block_size": 32}, {"format": "int8"}, "block_size=32"),
         ({}, {"format": "int4-o4"}, "outlier"),
         ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "tails of 256 running"),
+        ({}, {"format": "int4/int8[28-31]"}, "names layer(s) [30, 31] but the model has 30 layers"),
+        ({}, {"format": "int4/int4-o4[3]"}, "int4-o4 keeps outlier key channels"),
+        ({}, {"format": "int4/int8,block=32[3]"}, "same block= and sink="),
     ],
 )
 def test_backend_check_lists_what_to_change(extra, kvpack, expected):
@@ -130,3 +133,42 @@ def test_profiling_run_allocates_the_tails():
 def test_settings_errors_are_config_errors():
     with pytest.raises(ConfigError, match="unknown key"):
         kcfg.settings_from(type("C", (), {"additional_config": {"kvpack": {"format": "int8", "fast": 1}}})())
+
+
+def _attention_specs(names: list[str]) -> dict:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=64, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    return {n: KVPackAttentionBackend.customize_spec(spec) for n in names}
+
+
+def test_a_plan_gives_each_layer_the_page_of_its_own_format():
+    """vLLM asks for a page without naming the layer; the runner hook resizes each kvpack layer's page to its own
+    format's, and leaves other backends' layers alone."""
+    from kvpack.integrations.vllm.hooks import layer_specs
+    from kvpack.integrations.vllm.layout import PageLayout
+
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int4/int8[0,2]/k4v2[3]"}})
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    with set_current_vllm_config(cfg):
+        settings = kcfg.settings_from(cfg)
+        specs = _attention_specs(names)
+        out = layer_specs(specs, settings, lambda n: n != names[4])
+    page = {
+        f: PageLayout.build(parse_format(f), KV_HEADS, HEAD_DIM, torch.float32).page_bytes
+        for f in ("int4", "int8", "k4v2")
+    }
+    assert [out[n].page_size_bytes for n in names] == [
+        page["int8"],
+        page["int4"],
+        page["int8"],
+        page["k4v2"],
+        page["int4"],
+    ]
+    assert out[names[4]] is specs[names[4]]  # not a kvpack layer: untouched
+    assert len({s.page_size_bytes for s in out.values()}) == 3 and all(s.block_size == 64 for s in out.values())
+    with set_current_vllm_config(cfg):
+        with pytest.raises(ConfigError, match="cannot tell which layer"):
+            layer_specs(_attention_specs(["model.layers.1.block.2.attn"]), settings, lambda n: True)
+    one = kcfg.settings_from(_engine_config(additional_config={"kvpack": {"format": "int4"}}))
+    assert layer_specs(specs, one, lambda n: True) is specs  # no plan: nothing to resize

@@ -110,3 +110,29 @@ def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
     assert abs(res["kv_capacity_tokens"] - predicted) <= 0.02 * predicted
     per_token = f.bytes_per_token(KV_HEADS, HEAD_DIM, LAYERS)  # kvpack's own accounting, sink per sequence
     assert res["kv_capacity_tokens"] <= (KV_BYTES - tails) / per_token
+
+
+def test_a_plan_whose_overrides_cover_every_layer_serves_exactly_that_format(job, runs):
+    """Base int8, every layer overridden to int4: each page is resized to int4's by the runner hook and each layer
+    reads it as int4, so tokens and capacity are exactly the int4 engine's."""
+    plan = _run(runs, job, f"int8/int4[0-{LAYERS - 1}]")
+    int4 = _run(runs, job, "int4")
+    assert plan["kv_capacity_tokens"] == int4["kv_capacity_tokens"]
+    assert plan["outputs"] == int4["outputs"]
+    assert plan["tails_left"] == 0
+
+
+def test_a_mixed_plan_holds_what_kvpack_size_predicts(job, runs):
+    """Half the layers int8, half int4: one block id names a page of each layer's own size, and vLLM's capacity is
+    the space over their sum, as ``kvpack size`` predicts it."""
+    fmt = "int4/int8[0-14]"
+    res = _run(runs, job, fmt)
+    args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM)]
+    args += ["--context", "512", "--format", fmt, "--vllm-space", f"{KV_BYTES}B", "--max-num-seqs", str(SEQS)]
+    args += ["--dtype", "float32", "--json"]
+    out = subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
+    predicted = json.loads(out.stdout)["formats"][0]["vllm_tokens"]
+    assert res["kv_capacity_tokens"] == predicted
+    int8, int4 = _run(runs, job, "int8"), _run(runs, job, "int4")
+    assert int8["kv_capacity_tokens"] < predicted < int4["kv_capacity_tokens"]
+    assert res["preemptions"] > 0 and res["tails_left"] == 0 and all(len(o) == 64 for o in res["outputs"])

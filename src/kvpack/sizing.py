@@ -305,7 +305,10 @@ def estimate(
             result.skipped.append(f"{fmt.name}: {'; '.join(reasons)}")
             continue
         if isinstance(fmt, LayerPlan):
-            result.rows.append(_plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model))
+            row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
+            if vllm is not None:
+                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1])
+            result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
         row = FormatRow(
@@ -485,10 +488,19 @@ def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, ac
 
 
 def vllm_capacity_tokens(
-    fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, act_bytes: int, space_bytes: int, seqs: int
+    fmt: KVFormat | LayerPlan,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    act_bytes: int,
+    space_bytes: int,
+    seqs: int,
 ) -> int:
     """Tokens vLLM holds with the kvpack backend in ``space_bytes`` of KV space: whole pages of every layer,
-    after the tails of ``seqs`` requests."""
-    left = space_bytes - vllm_tail_bytes(fmt, layers, kv_heads, head_dim, act_bytes, seqs)
-    page = vllm_page(fmt, kv_heads, head_dim, act_bytes).page_bytes
-    return max(left, 0) // (page * layers) * fmt.block_size
+    after the tails of ``seqs`` requests. A per-layer plan's layers each take their own format's page (one block
+    id names a page in every layer, so a block costs the sum of the layers' pages); its formats share the base's
+    block size, so the tails cost what the base format's do."""
+    fmts = fmt.formats(layers) if isinstance(fmt, LayerPlan) else [fmt] * layers
+    left = space_bytes - vllm_tail_bytes(fmts[0], layers, kv_heads, head_dim, act_bytes, seqs)
+    block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)
+    return max(left, 0) // block * fmts[0].block_size

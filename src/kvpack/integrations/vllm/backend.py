@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
 from kvpack.integrations.vllm.config import Settings, engine_reasons, pay_tails, settings_from
-from kvpack.integrations.vllm.hooks import register_table
+from kvpack.integrations.vllm.hooks import layer_index, register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan, TailTable
@@ -107,7 +107,7 @@ class KVPackAttentionBackend(AttentionBackend):
             return [*reasons, str(e)]
         if settings is None:
             return [*reasons, 'kvpack: no format given; pass additional_config={"kvpack": {"format": "int4"}}']
-        reasons += engine_reasons(cfg, settings.format)
+        reasons += engine_reasons(cfg, settings.plan)
         if not reasons:
             try:
                 pay_tails(cfg, settings.format)
@@ -117,7 +117,8 @@ class KVPackAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        """One head slot of ``block_size`` cells of ``C`` bytes: the page holds one packed kvpack block."""
+        """One head slot of ``block_size`` cells of ``C`` bytes: the page holds one packed kvpack block (of the base
+        format; with a per-layer plan, :func:`~kvpack.integrations.vllm.hooks.layer_specs` resizes each layer's)."""
         layout = PageLayout.build(current_settings().format, spec.num_kv_heads, spec.head_size, spec.dtype)
         if spec.block_size != layout.block_size:
             raise ConfigError(
@@ -196,13 +197,20 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self.attn_type = attn_type
         self._layer: PagedLayer | None = None
 
-    def _ensure_layer(self, capacity: int, query: torch.Tensor) -> None:
-        """This layer's :class:`PagedLayer` (its tails) for ``capacity`` requests, in the query's dtype and device."""
+    def _ensure_layer(self, capacity: int, query: torch.Tensor, name: str | None) -> None:
+        """This layer's :class:`PagedLayer` (its tails) for ``capacity`` requests, in the query's dtype and device;
+        ``name``: the vLLM layer's name, whose number picks the layer's format in a per-layer plan."""
         lay = self._layer
         if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
-            self._layer = PagedLayer(
-                self.settings.format, self.num_kv_heads, self.head_size, capacity, query.dtype, query.device
-            )
+            fmt = self.settings.format
+            if self.settings.plan.overrides:
+                index = layer_index(name or "")
+                if index is None:
+                    raise ConfigError(
+                        f"kvpack: cannot tell which layer {name!r} is, so a per-layer plan cannot serve it"
+                    )
+                fmt = self.settings.layer_format(index)
+            self._layer = PagedLayer(fmt, self.num_kv_heads, self.head_size, capacity, query.dtype, query.device)
 
     def forward(
         self,
@@ -224,9 +232,9 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         if md is None:  # the profiling run: nothing to attend
             cfg = get_current_vllm_config_or_none()
             if cfg is not None:  # the tails now, so that a profiler of free memory counts them (CUDA)
-                self._ensure_layer(cfg.scheduler_config.max_num_seqs, query)
+                self._ensure_layer(cfg.scheduler_config.max_num_seqs, query, getattr(layer, "layer_name", None))
             return output
-        self._ensure_layer(md.table.capacity, query)
+        self._ensure_layer(md.table.capacity, query, getattr(layer, "layer_name", None))
         n = md.num_actual_tokens
         assert self._layer is not None
         self._layer.write(kv_cache, md.plan, key[:n], value[:n])

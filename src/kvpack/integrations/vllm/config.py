@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import KVFormat, parse_format
-from kvpack.plans import is_plan
+from kvpack.formats import KVFormat
+from kvpack.plans import LayerPlan, parse_plan
 from kvpack.sizing import vllm_tail_bytes
 
 __all__ = ["KERNELS", "Settings", "engine_reasons", "pay_tails", "settings_from", "startup_reasons", "tail_pool_bytes"]
@@ -36,10 +36,40 @@ _HINT = 'additional_config={"kvpack": {"format": "int4"}} (CLI: --additional-con
 
 @dataclass(frozen=True)
 class Settings:
-    """What the user chose: the format and the decode kernel (``auto``: the fused kernel of the device)."""
+    """What the user chose: the format, or a per-layer plan (:mod:`kvpack.plans`), and the decode kernel
+    (``auto``: the fused kernel of the device).
 
-    format: KVFormat
+    Every format of a plan seals blocks of the same size and keeps the same sink rows (:func:`settings_from`
+    checks): vLLM gives all layers one block table, and the tails are planned once for every layer.
+    """
+
+    plan: LayerPlan
     kernel: str = "auto"
+
+    @property
+    def format(self) -> KVFormat:
+        """The base format: its block size and sink are every layer's."""
+        return self.plan.base
+
+    @property
+    def formats(self) -> list[KVFormat]:
+        """The plan's distinct formats, the base first."""
+        out = [self.plan.base]
+        for fmt, _ in self.plan.overrides:
+            if fmt not in out:
+                out.append(fmt)
+        return out
+
+    def layer_format(self, layer: int) -> KVFormat:
+        """The format of layer ``layer`` (0-based, the model's numbering)."""
+        for fmt, layers in self.plan.overrides:
+            if layer in layers:
+                return fmt
+        return self.plan.base
+
+    @property
+    def name(self) -> str:
+        return self.plan.name if self.plan.overrides else (self.format.name or self.format.spec_string())
 
 
 def _raw(vllm_config: Any) -> dict | None:
@@ -69,17 +99,22 @@ def settings_from(vllm_config: Any) -> Settings | None:
     kernel = raw.get("kernel", "auto")
     if kernel not in KERNELS:
         raise ConfigError(f"kvpack: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    if is_plan(raw["format"]):
-        raise ConfigError(
-            f"kvpack: {raw['format']!r} is a per-layer plan, which the vLLM backend does not serve yet (vLLM gives "
-            "every layer the same page size): serve one format, e.g. the plan's widest, or run the plan through "
-            "kvpack.hf.cache_for"
-        )
     try:
-        fmt = parse_format(raw["format"])
+        plan = parse_plan(raw["format"])
     except FormatError as e:
         raise ConfigError(f"kvpack: {e}") from None
-    return Settings(fmt, kernel)
+    uneven = [
+        f.name or f.spec_string()
+        for f, _ in plan.overrides
+        if (f.block_size, f.sink) != (plan.base.block_size, plan.base.sink)
+    ]
+    if uneven:
+        raise ConfigError(
+            f"kvpack: in plan {plan.name!r}, {', '.join(uneven)} differ(s) from the base format "
+            f"{plan.base.name!r} in block size or sink rows (block={plan.base.block_size}, sink={plan.base.sink}); "
+            "vLLM gives every layer one block table: give every format of the plan the same block= and sink="
+        )
+    return Settings(plan, kernel)
 
 
 def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seqs: int) -> int:
@@ -87,25 +122,29 @@ def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int
     return vllm_tail_bytes(fmt, num_layers, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), seqs)
 
 
-def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
-    """Why this engine cannot run ``fmt`` (empty: it can). Each reason says what to change."""
+def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
+    """Why this engine cannot run ``fmt``, a format or a per-layer plan (empty: it can). Each reason says what
+    to change."""
     reasons = []
-    name = fmt.name or fmt.spec_string()
+    plan = parse_plan(fmt)
+    base = plan.base
     cache = vllm_config.cache_config
     if str(getattr(cache, "cache_dtype", "auto")) != "auto":
         reasons.append(
             f"kv_cache_dtype={cache.cache_dtype!r}: a kvpack format sets the cache's bytes itself; "
             "leave kv_cache_dtype at 'auto'"
         )
-    if getattr(cache, "user_specified_block_size", False) and cache.block_size != fmt.block_size:
+    if getattr(cache, "user_specified_block_size", False) and cache.block_size != base.block_size:
         reasons.append(
-            f"block_size={cache.block_size} but format {name} seals blocks of {fmt.block_size}: pass "
-            f"block_size={fmt.block_size} or a format with block={cache.block_size}"
+            f"block_size={cache.block_size} but format {base.name or base.spec_string()} seals blocks of "
+            f"{base.block_size}: pass block_size={base.block_size} or a format with block={cache.block_size}"
         )
-    if fmt.is_static:
-        reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")
-    if fmt.key.has_outliers:
-        reasons.append(f"format {name} keeps outlier key channels, which the vLLM backend does not store yet")
+    for f in dict.fromkeys([base, *(f for f, _ in plan.overrides)]):
+        name = f.name or f.spec_string()
+        if f.is_static:
+            reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")
+        if f.key.has_outliers:
+            reasons.append(f"format {name} keeps outlier key channels, which the vLLM backend does not store yet")
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append(
             "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "
@@ -128,17 +167,26 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
             )
         if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"model dtype {model.dtype}: the kvpack tails take float16, bfloat16 or float32")
+        layers = getattr(hf, "num_hidden_layers", None) if hf is not None else None
+        if plan.overrides and isinstance(layers, int):
+            try:
+                plan.formats(layers)
+            except FormatError as e:
+                reasons.append(str(e))
     return reasons
 
 
-def engine_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
+def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
     """:func:`startup_reasons`, and whether the hook that releases finished requests' tails is in place: vLLM's V1
     model runner (``GPUModelRunner._update_states``, which the CPU runner inherits)."""
     from kvpack.integrations.vllm import hooks
 
     reasons = startup_reasons(vllm_config, fmt)
     if not hooks.install():
-        reasons.append("this vLLM has no GPUModelRunner._update_states to learn about finished requests from")
+        reasons.append(
+            "this vLLM's GPUModelRunner has no _update_states (finished requests) or get_kv_cache_spec (per-layer "
+            "pages), which the kvpack backend hooks"
+        )
     if getattr(vllm_config, "use_v2_model_runner", False):  # the CUDA default of vLLM 0.32 wherever Triton runs
         reasons.append(
             "vLLM's V2 model runner does not go through the hook that releases finished requests' tails; "
@@ -147,7 +195,7 @@ def engine_reasons(vllm_config: Any, fmt: KVFormat) -> list[str]:
     return reasons
 
 
-def pay_tails(vllm_config: Any, fmt: KVFormat) -> int:
+def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
     """Take the full-precision tails out of ``kv_cache_memory_bytes``, once per engine config (a mark on the cache
     config, which vLLM pickles to its other processes with the config, keeps a second call from paying again),
     so the space a user gives is the memory used. Returns the bytes taken by this call: 0 when no space was given
@@ -157,6 +205,8 @@ def pay_tails(vllm_config: Any, fmt: KVFormat) -> int:
     Raises:
         ConfigError: the tails of ``max_num_seqs`` requests do not fit in the space.
     """
+    plan = parse_plan(fmt)
+    fmt = plan.base  # every format of a plan has the base's block size, so its tails cost the same
     cache, model = vllm_config.cache_config, vllm_config.model_config
     if model is None or not cache.kv_cache_memory_bytes or getattr(cache, _PAID, None) is not None:
         return 0
@@ -173,7 +223,7 @@ def pay_tails(vllm_config: Any, fmt: KVFormat) -> int:
     setattr(cache, _PAID, tails)
     logger.info(
         "kvpack: format %s; %.1f MiB of the KV space hold the full-precision tails of %d requests",
-        fmt.name or fmt.spec_string(),
+        plan.name if plan.overrides else (fmt.name or fmt.spec_string()),
         tails / 2**20,
         seqs,
     )

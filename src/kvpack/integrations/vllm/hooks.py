@@ -1,19 +1,29 @@
-"""The model-runner hook that releases tails of finished and preempted requests.
+"""The model-runner hooks: tails of finished and preempted requests released, and per-layer pages for a plan.
 
 vLLM tells an attention backend nothing when a request ends; the model runner learns it from the scheduler's
 output (``finished_req_ids``, ``preempted_req_ids``) in ``_update_states``, while it still holds each request's
 block ids. This wraps that method (once per process, idempotent) so every live :class:`TailTable` releases the
-tails of those blocks before the step is planned. Installed by the general plugin, in every vLLM process.
+tails of those blocks before the step is planned.
+
+vLLM asks a backend for its page (``customize_spec``) without saying which layer it is for, so a per-layer plan
+(:mod:`kvpack.plans`) cannot size its pages there. The second hook wraps the runner's ``get_kv_cache_spec``: each
+kvpack layer's page is then the one its own format needs (:func:`layer_specs`). Layers with different pages
+but the same block size form one vLLM group (``UniformTypeKVCacheSpecs``): one block table, one block id naming
+a page in every layer, and vLLM's block count is the space over the sum of the layers' pages, so its capacity
+is the plan's real one. Both hooks are installed by the general plugin, in every vLLM process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 from kvpack.integrations.vllm.tails import TailTable
 
-__all__ = ["install", "live_tables", "register_table"]
+__all__ = ["install", "layer_specs", "live_tables", "register_table"]
 
 _tables: weakref.WeakSet[TailTable] = weakref.WeakSet()
 
@@ -42,23 +52,90 @@ def _release_finished(runner, scheduler_output) -> None:
             table.release_blocks(blocks)
 
 
+def layer_specs(specs: dict[str, Any], settings: Any, is_kvpack: Callable[[str], bool]) -> dict[str, Any]:
+    """vLLM's per-layer KV cache specs with each kvpack layer's page sized for its own format.
+
+    Args:
+        specs: layer name -> vLLM ``AttentionSpec`` (as ``customize_spec`` left it: the base format's page).
+        settings: the engine's :class:`~kvpack.integrations.vllm.config.Settings`.
+        is_kvpack: whether a layer runs the kvpack backend (others are left as they are).
+
+    A layer's index is the one number in its name (``model.layers.7.self_attn.attn`` -> 7), as vLLM numbers
+    layers. Returns ``specs`` itself when the plan has no overrides.
+
+    Raises:
+        ConfigError: a kvpack layer's name holds no single layer number.
+    """
+    from kvpack.errors import ConfigError
+    from kvpack.integrations.vllm.layout import PageLayout
+
+    if not settings.plan.overrides:
+        return specs
+    out = dict(specs)
+    for name, spec in specs.items():
+        if not is_kvpack(name):
+            continue
+        index = layer_index(name)
+        if index is None:
+            raise ConfigError(f"kvpack: cannot tell which layer {name!r} is, so a per-layer plan cannot size its pages")
+        layout = PageLayout.build(settings.layer_format(index), spec.num_kv_heads, spec.head_size, spec.dtype)
+        out[name] = dataclasses.replace(spec, num_head_slots=1, state_content_bytes=layout.cell_bytes)
+    return out
+
+
+def layer_index(name: str) -> int | None:
+    """The layer number in a module name (``model.layers.7.self_attn.attn`` -> 7); None unless exactly one."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    return nums[0] if len(nums) == 1 else None
+
+
+def _kvpack_layers(runner) -> Callable[[str], bool]:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    from kvpack.integrations.vllm.backend import KVPackAttentionBackend
+
+    layers = get_layers_from_vllm_config(runner.vllm_config, AttentionLayerBase)
+
+    def is_kvpack(name: str) -> bool:
+        layer = layers.get(name)
+        return layer is not None and issubclass(layer.get_attn_backend(), KVPackAttentionBackend)
+
+    return is_kvpack
+
+
 def install() -> bool:
-    """Wrap ``GPUModelRunner._update_states`` (the CPU runner inherits it). Returns False when this vLLM has no
-    such method (the backend then refuses to start: tails would leak)."""
+    """Wrap ``GPUModelRunner._update_states`` and ``get_kv_cache_spec`` (the CPU runner inherits both). Returns
+    False when this vLLM lacks either (the backend then refuses to start: tails would leak, or a plan's pages
+    would be the base format's)."""
     from vllm.v1.worker import gpu_model_runner
 
     cls = gpu_model_runner.GPUModelRunner
     orig = getattr(cls, "_update_states", None)
-    if orig is None:
+    orig_spec = getattr(cls, "get_kv_cache_spec", None)
+    if orig is None or orig_spec is None:
         return False
-    if getattr(orig, "_kvpack_hook", False):
-        return True
+    if not getattr(orig, "_kvpack_hook", False):
 
-    def _update_states(self, scheduler_output):
-        _release_finished(self, scheduler_output)
-        return orig(self, scheduler_output)
+        def _update_states(self, scheduler_output):
+            _release_finished(self, scheduler_output)
+            return orig(self, scheduler_output)
 
-    _update_states._kvpack_hook = True  # type: ignore[attr-defined]
-    _update_states.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls._update_states = _update_states
+        _update_states._kvpack_hook = True  # type: ignore[attr-defined]
+        _update_states.__wrapped__ = orig  # type: ignore[attr-defined]
+        cls._update_states = _update_states
+    if not getattr(orig_spec, "_kvpack_hook", False):
+
+        def get_kv_cache_spec(self):
+            from kvpack.integrations.vllm.config import settings_from
+
+            specs = orig_spec(self)
+            settings = settings_from(self.vllm_config)
+            if settings is None or not settings.plan.overrides:
+                return specs
+            return layer_specs(specs, settings, _kvpack_layers(self))
+
+        get_kv_cache_spec._kvpack_hook = True  # type: ignore[attr-defined]
+        get_kv_cache_spec.__wrapped__ = orig_spec  # type: ignore[attr-defined]
+        cls.get_kv_cache_spec = get_kv_cache_spec
     return True
