@@ -102,7 +102,7 @@ def passive_pool() -> None:
     and sets its count to ``NUMBA_NUM_THREADS`` (all cores), which torch then reads once it has run a parallel
     region (``torch.set_num_threads(1)``, a model forward, the first kernel call: 2 threads on the 2-core VM,
     so ``kvpack bench generate --threads 1`` ran every row after the first kvpack one on two). The count is
-    put back."""
+    put back, with torch's own setter (vLLM's CPU worker disables ``torch.set_num_threads``)."""
     if _POOL:
         return
     _POOL.append(True)
@@ -121,7 +121,10 @@ def passive_pool() -> None:
     finally:
         if passive:
             del os.environ["OMP_WAIT_POLICY"]
-        torch.set_num_threads(threads)
+        # torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it has bound
+        # its threads, and through it the count stayed at numba's (a tensor-parallel engine of 3 workers on 2 cores,
+        # each at 2 threads after its first kvpack kernel: 5x slower than with numba's pool at 1)
+        torch._C.set_num_threads(threads)
 
 
 def _numba_missing() -> str | None:

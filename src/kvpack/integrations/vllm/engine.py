@@ -15,6 +15,9 @@ A job (all keys optional but ``model`` and ``prompts``)::
 
 ``warmup`` runs ``warmup_requests`` (default 1) requests first, outside the counts and the timing (kernel
 compilation, first calls).
+``engine_kwargs`` with ``tensor_parallel_size`` / ``pipeline_parallel_size`` above 1 runs vLLM's multiprocess
+executor (its CPU workers unbound from NUMA nodes, ``VLLM_CPU_OMP_THREADS_BIND=nobind``, unless set; ``threads``
+is then each worker's).
 On CUDA a kvpack format needs ``engine_kwargs={"attention_backend": "CUSTOM"}`` (vLLM's CUDA platform picks its own
 backend otherwise); a job with a format whose engine holds no kvpack tail table fails rather than measure vLLM's
 own cache under kvpack's name.
@@ -22,8 +25,9 @@ own cache under kvpack's name.
 The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized; empty without
 ``detokenize``), ``cached_tokens`` (prompt tokens served from the prefix cache, per prompt), ``num_blocks``,
 ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
-``tails_left`` (kvpack tails still held once drained: after the step that tells the workers which requests
-finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null for vLLM's cache),
+``tails_left`` (kvpack tails still held once drained, summed over the workers: after the step that tells the
+workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null
+for vLLM's cache),
 ``steps``.
 """
 
@@ -111,11 +115,15 @@ def _main() -> None:
     if job.get("format"):
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
     kw.update(job.get("engine_kwargs") or {})
+    workers = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+    if workers > 1:  # vLLM's CPU workers would each bind a NUMA node; one node here, and the OS schedules them
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kw.setdefault("distributed_executor_backend", "mp")
     llm = LLM(job["model"], **kw)
     if job.get("format"):
-        from kvpack.integrations.vllm.hooks import live_tables
+        from kvpack.integrations.vllm.hooks import worker_tails
 
-        if not live_tables():  # the builders of this process's worker register their tail tables
+        if None in llm.collective_rpc(worker_tails):  # every worker's builders register their tail tables
             from kvpack.errors import ConfigError
 
             raise ConfigError(
@@ -148,9 +156,7 @@ def _main() -> None:
         llm.llm_engine.step()
     tails_left = None
     if job.get("format"):
-        from kvpack.integrations.vllm.hooks import live_tables
-
-        tails_left = sum(t.num_allocated for t in live_tables())
+        tails_left = sum(llm.collective_rpc(worker_tails))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -166,6 +172,8 @@ def _main() -> None:
     }
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
+    if workers > 1:  # worker processes outlive an os._exit of this one, spinning
+        llm.llm_engine.engine_core.shutdown()
     os._exit(0)  # skip vLLM's teardown: nothing is left to flush, and it can hang on exit
 
 

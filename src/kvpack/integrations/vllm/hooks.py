@@ -23,7 +23,7 @@ from typing import Any
 
 from kvpack.integrations.vllm.tails import TailTable
 
-__all__ = ["install", "layer_specs", "live_tables", "register_table"]
+__all__ = ["install", "layer_specs", "live_tables", "register_table", "worker_tails"]
 
 _tables: weakref.WeakSet[TailTable] = weakref.WeakSet()
 
@@ -36,6 +36,13 @@ def register_table(table: TailTable) -> None:
 def live_tables() -> list[TailTable]:
     """The tail tables of this process's engines (for tests and reports)."""
     return list(_tables)
+
+
+def worker_tails(worker: Any) -> int | None:
+    """Tails allocated in this process's tail tables, None when it has none (no kvpack layer was built here).
+    For ``LLM.collective_rpc``, which runs it in every worker (``worker``: vLLM's worker object, unused)."""
+    tables = live_tables()
+    return sum(t.num_allocated for t in tables) if tables else None
 
 
 def _release_finished(runner, scheduler_output) -> None:
