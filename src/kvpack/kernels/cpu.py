@@ -254,11 +254,12 @@ def _prepare(kv: PagedKV) -> _ViewState:
     kp = _params(kv.format.key, kv, kv.k_data, "key")
     vp = _params(kv.format.value, kv, kv.v_data, "value")
     tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
-    # the tails: passthrough rows in the blocks' plane order
-    for tp, src, tail in ((tpk, kp, kv.tail_k), (tpv, vp, kv.tail_v)):
+    # the tails: passthrough rows in natural channel order (cpu_numba.work gives them a query and an accumulator
+    # in that order), so float32 rows are read in place
+    for tp, tail in ((tpk, kv.tail_k), (tpv, kv.tail_v)):
         tp[nbm.P_KIND] = PayloadKind.FLT
         tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
-        tp[nbm.P_PER] = src[nbm.P_PER]
+        tp[nbm.P_PER] = 1
         tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
         tp[nbm.P_ROW] = kv.head_dim
         # sequences of a tail read in place are stride(0) apart; one copied per call (_views) is contiguous

@@ -20,7 +20,8 @@ Math per sealed block of ``B`` tokens, for the ``G`` query heads of one kv head 
   along the row (groups, channels) multiply the codes while they are decoded; zero-points and offsets
   add ``sum_t p[t] * (z - off * s)`` per group, once at the end;
 * online softmax in base 2 (the query is pre-multiplied by ``sm_scale * log2(e)``) with a vectorizable
-  polynomial ``exp2``; the tail is one more block with a passthrough spec.
+  polynomial ``exp2``; the tail is one more block with a passthrough spec, in natural channel order (the
+  accumulator is put into that order before it); float32 rows (tails, the fp32 format) are read in place.
 
 Work per block: rows are decoded ``TILE`` (8) at a time into a small float32 tile (2-4 KB, it stays in
 L1; the history is never materialized), then dotted with four query heads at once (16 accumulators in
@@ -477,6 +478,20 @@ def _decode_rows(kind, p8, p16, p32, base, rs, t, nt, per, dp, fk, sv, svt, cs, 
             for j in range(ud):
                 c = np.float32(np.int32(p8[o + j]) >> np.int32(6))
                 buf[r, U64(3) * ud + j] = c * sx[j] if scaled else c
+        elif per == 1:  # contiguous rows (tails, fp16/bf16 formats): the loops vectorize
+            if fk == FK_F16:
+                if _HW_HALF:
+                    for j in range(ud):
+                        buf[r, j] = _half_hw(p16[o + j])
+                else:
+                    for j in range(ud):
+                        buf[r, j] = _half(p16[o + j])
+            elif fk == FK_BF16:
+                for j in range(ud):
+                    buf[r, j] = _bf16(p16[o + j])
+            else:
+                for j in range(ud):
+                    buf[r, j] = p32[o + j]
         else:
             pu = U64(per)
             for k in range(per):
@@ -517,29 +532,36 @@ def _decode_tile(kind, pay, base, rs, t, nt, per, dp, fk, sv, svt, cs, sx, buf, 
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _kdot_tile(buf, nt, qf, out, t, mx):
-    """``out[g, t + r] = sum_i qf[g, i] * buf[r, i]`` for tile rows ``r < nt``; ``mx[g]`` keeps the max.
+def _kdot_tile(x, base, rs, nt, qf, out, t, mx):
+    """``out[g, t + r] = sum_i qf[g, i] * x[base + r * rs + i]`` for rows ``r < nt``; ``mx[g]`` keeps the max.
 
-    buf: ``[TILE, D]`` decoded codes; qf: ``[G4, D]`` (rows past G are padding); out: ``[G, *]``. Rows go
-    four and heads four at a time, so each decoded element feeds 16 independent accumulators.
+    x: a flat float32 array holding the rows ``rs`` elements apart: the decoded tile (``buf`` ``[TILE, D]``
+    flattened, ``base`` 0, ``rs`` D) or float32 rows read in place from their pool; qf: ``[G4, D]`` (rows past
+    G are padding); out: ``[G, *]``. Rows go four and heads four at a time, so each element feeds 16
+    independent accumulators.
     """
     g_n = out.shape[0]
-    d = U64(buf.shape[1])
+    d = U64(qf.shape[1])
     for r0 in range(0, nt, 4):
-        _kdot4(buf, r0, nt - r0, qf, out, t + r0, mx, g_n, d)
+        _kdot4(x, base + U64(r0) * rs, rs, nt - r0, qf, out, t + r0, mx, g_n, d)
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _kdot4(buf, r0, nt, qf, out, t, mx, g_n, d):
-    """Rows ``r0 .. r0 + min(nt, 4) - 1`` of :func:`_kdot_tile`."""
+def _kdot4(x, o, rs, nt, qf, out, t, mx, g_n, d):
+    """Rows ``0 .. min(nt, 4) - 1`` at flat offset ``o`` of :func:`_kdot_tile` (rows past ``nt`` read the last
+    one: they stay inside the block, their sums are dropped)."""
+    o0 = o
+    o1 = o + U64(min(1, nt - 1)) * rs
+    o2 = o + U64(min(2, nt - 1)) * rs
+    o3 = o + U64(min(3, nt - 1)) * rs
     for g0 in range(0, g_n, 4):
         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
         c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = _ZERO
         for i in range(d):
-            x0 = buf[r0, i]
-            x1 = buf[r0 + 1, i]
-            x2 = buf[r0 + 2, i]
-            x3 = buf[r0 + 3, i]
+            x0 = x[o0 + i]
+            x1 = x[o1 + i]
+            x2 = x[o2 + i]
+            x3 = x[o3 + i]
             qa = qf[g0, i]
             qb = qf[g0 + 1, i]
             qc = qf[g0 + 2, i]
@@ -595,14 +617,24 @@ def _dot8(wt, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _vacc8(buf, nt, w, t, acc, g_n):
-    """``acc[g, i] += sum_{r < nt} w[g, t + r] * buf[r, i]`` for heads ``g < g_n``.
+def _vacc8(x, o, rs, nt, w, t, acc, g_n):
+    """``acc[g, i] += sum_{r < nt} w[g, t + r] * x[o + r * rs + i]`` for heads ``g < g_n``.
 
-    buf: ``[TILE, D]`` decoded rows (rows past ``nt`` repeat a valid row and get weight 0); w: ``[G, B]``;
-    acc: ``[G4, D]`` (G rounded up to 4; the padding rows are scratch). Four heads are updated per pass
-    over the tile, eight rows per load/store of the accumulator.
+    x: a flat float32 array holding the rows ``rs`` elements apart (see :func:`_kdot_tile`; rows past ``nt``
+    read the last one and get weight 0); w: ``[G, B]``; acc: ``[G4, D]`` (G rounded up to 4; the padding
+    rows are scratch). Four heads are updated per pass over the rows, eight rows per load/store of the
+    accumulator.
     """
-    d = U64(buf.shape[1])
+    d = U64(acc.shape[1])
+    last = nt - 1
+    o0 = o
+    o1 = o + U64(min(1, last)) * rs
+    o2 = o + U64(min(2, last)) * rs
+    o3 = o + U64(min(3, last)) * rs
+    o4 = o + U64(min(4, last)) * rs
+    o5 = o + U64(min(5, last)) * rs
+    o6 = o + U64(min(6, last)) * rs
+    o7 = o + U64(min(7, last)) * rs
     for g0 in range(0, g_n, 4):
         wa = _w8(w, g0, g_n, t, nt)
         wb = _w8(w, g0 + 1, g_n, t, nt)
@@ -613,14 +645,14 @@ def _vacc8(buf, nt, w, t, acc, g_n):
         ac = acc[g0 + 2]
         ad = acc[g0 + 3]
         for i in range(d):
-            x0 = buf[0, i]
-            x1 = buf[1, i]
-            x2 = buf[2, i]
-            x3 = buf[3, i]
-            x4 = buf[4, i]
-            x5 = buf[5, i]
-            x6 = buf[6, i]
-            x7 = buf[7, i]
+            x0 = x[o0 + i]
+            x1 = x[o1 + i]
+            x2 = x[o2 + i]
+            x3 = x[o3 + i]
+            x4 = x[o4 + i]
+            x5 = x[o5 + i]
+            x6 = x[o6 + i]
+            x7 = x[o7 + i]
             aa[i] += _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7)
             ab[i] += _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7)
             ac[i] += _dot8(wc, x0, x1, x2, x3, x4, x5, x6, x7)
@@ -1724,6 +1756,11 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     vunit = _code_unit(vp[P_KIND])
     vspan = vdp // vcs if vcs > 1 else vdp
     kfar, vfar = kp[P_FAR], vp[P_FAR]  # blocks ahead to prefetch (0: none)
+    # float32 rows in natural order are read in place; the others are decoded into buf, read as flat rows
+    kflat = kp[P_KIND] == FLT and kp[P_FK] == FK_F32 and kper == 1
+    vflat = vp[P_KIND] == FLT and vp[P_FK] == FK_F32 and vper == 1
+    bflat = buf.reshape(buf.size)
+    ud = U64(d)
     for j in range(j0, j1):
         if tail:
             idx = b
@@ -1788,9 +1825,14 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
                           qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kmx, g0, kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
             nt = min(TILE, t1 - t)
-            _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
-                         kcs if (grouped and kcs > 1) else 0, sx, buf, knext)  # fmt: skip
-            _kdot_tile(buf, nt, qsrc, sc, t, mxb)
+            if kflat:
+                if knext:
+                    _prefetch_rows(kpay, FLT, FK_F32, knext, krs, t, nt)
+                _kdot_tile(kpay[2], kbase + U64(t) * krs, krs, nt, qsrc, sc, t, mxb)
+            else:
+                _decode_tile(kp[P_KIND], kpay, kbase, krs, t, nt, kper, kdp, kp[P_FK], sk, bs,
+                             kcs if (grouped and kcs > 1) else 0, sx, buf, knext)  # fmt: skip
+                _kdot_tile(bflat, U64(0), ud, nt, qsrc, sc, t, mxb)
             if grouped:  # per-token scale / zero-point terms; the max is taken again below
                 for g in range(g_n):
                     for r in range(nt):
@@ -1880,9 +1922,14 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
         for t in range(t0, t1 if not vint else t0, TILE):
             nt = min(TILE, t1 - t)
             # scales along the row (groups, channels) are applied to the decoded rows
-            _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
-                         vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf, vnext)  # fmt: skip
-            _vacc8(buf, nt, w, t, acc, g_n)
+            if vflat:
+                if vnext:
+                    _prefetch_rows(vpay, FLT, FK_F32, vnext, vrs, t, nt)
+                _vacc8(vpay[2], vbase + U64(t) * vrs, vrs, nt, w, t, acc, g_n)
+            else:
+                _decode_tile(vp[P_KIND], vpay, vbase, vrs, t, nt, vper, vdp, vp[P_FK], sv, vts,
+                             vcs if (vskind != SC_NONE and vcs > 1) else 0, sx, buf, vnext)  # fmt: skip
+                _vacc8(bflat, U64(0), ud, nt, w, t, acc, g_n)
 
 
 @njit(inline="always", **_NOREF)
@@ -2101,7 +2148,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
     ``[num_blocks, H, B, P]``; kscl/vscl, kzero/vzero: flat views of ``[num_blocks, Hs, Ts, Cs]``; kp/vp:
     int64 spec parameters (``P_*``; a pool is contiguous within a block, its blocks ``P_BST`` / ``P_SBST`` /
     ``P_ZBST`` elements apart); tailk/tailv: flat views of the tails ``[batch, H, B, D]``, read with
-    the passthrough specs tpk/tpv (same plane order as kp/vp; ``P_BST``: elements between sequences);
+    the passthrough specs tpk/tpv (natural channel order, ``P_PER`` 1; ``P_BST``: elements between sequences);
     tables: ``[batch, max_blocks]`` int32;
     seq_lens, start_pos: ``[batch]`` int32; window: -1 for none; qscale: ``sm_scale * log2(e)``;
     items: from :func:`plan`; kout, kidx: outlier key channels (see :func:`_attend`).
@@ -2139,6 +2186,11 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
     nm = kp[P_MULTI] if multi else 1
     mt = (np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
           np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
+    # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
+    # packed in planes, the accumulator put into natural order before the tail
+    qn = np.zeros((g4, d), np.float32)
+    stn = (qn, *st[1:])
+    tmp = np.empty(d, np.float32)
     it = take_item(runs, t)
     while it >= 0:
         b = items[it, 0]
@@ -2161,6 +2213,8 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
         lsum[:] = 0.0
         acc[:] = 0.0
         zacc[:] = 0.0
+        natural = vper == 1  # acc in natural channel order
+        tailed = False  # the tail was attended: the item is the row's last
         while True:
             if multi:
                 _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs,
@@ -2169,10 +2223,22 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
                 _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs, n,
                         lo, False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
+                for g in range(g_n):
+                    for c in range(d):
+                        qn[g, c] = q[b, h * g_n + g, c] * qscale
+                if not natural:
+                    for g in range(g_n):
+                        for i in range(d):
+                            tmp[i] = acc[g, i]
+                        for k in range(vper):
+                            for j in range(vdp):
+                                acc[g, vper * j + k] = tmp[k * vdp + j]
+                    natural = True
+                tailed = True
                 _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
-                        bs, st, kout, kidx)  # fmt: skip
+                        bs, stn, kout, kidx)  # fmt: skip
             nx = take_item(runs, t)
-            if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3]:
+            if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3] or tailed:
                 break
             for g in range(g_n):  # the next item goes on from here: this one's partial is empty
                 pm[it, g] = -np.inf
@@ -2181,6 +2247,10 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
         for g in range(g_n):
             pm[it, g] = m[g]
             pl[it, g] = lsum[g]
+            if natural:
+                for c in range(d):
+                    pacc[it, g, c] = acc[g, c] + zacc[g, c // vgs]
+                continue
             for k in range(vper):
                 for j in range(vdp):
                     c = vper * j + k
