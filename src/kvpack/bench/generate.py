@@ -207,6 +207,18 @@ def _ttft_rows(
     ]
 
 
+def _settle_allocator() -> None:
+    """Put glibc's allocator where a ``model.generate`` process has it when it decodes: one freed 31 MiB block
+    raises glibc's mmap threshold (dynamic, up to 32 MiB) to that size, as the batch prefill's freed activations
+    do in ``generate``. Without it, every decode step's ``torch.cat`` of a growing DynamicCache (25 MiB per layer
+    and K or V at batch 8, 4k context) came from fresh ``mmap`` pages, zeroed by the kernel on first touch:
+    DynamicCache ran at 450 ms/step against ``model.generate``'s 329 on the 2-core VM
+    (``benchmarks/generate_baseline.py``). kvpack's pools are allocated once, so only the baselines moved."""
+    block = torch.empty(31 * 2**20, dtype=torch.uint8)
+    block[::4096] = 1  # touched, so the pages are really mapped before the free
+    del block
+
+
 @torch.inference_mode()
 def measure(
     model: Any,
@@ -242,6 +254,7 @@ def measure(
 
     context = int(kv[0][0].shape[2])
     extra: dict[str, Any] = {}
+    _settle_allocator()
     if provider["kind"] == "kvpack":
         fmt = parse_format(provider["format"])
         name, tokens = f"kvpack-{fmt.name}", context + new_tokens + 1
