@@ -6,6 +6,7 @@ The table is generated (each bad value of each option, in each subcommand) and r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def _table(paths: dict[str, str]) -> list[tuple[list[str], str]]:
     t += [([*dec, "--block-order", "random"], "--block-order")]
     t += [(["bench", "generate", o, "x"], o) for o in ["--context", "--new-tokens", "--threads"]]
     t += [(["bench", "generate", "--bogus"], "--bogus")]
+    if importlib.util.find_spec("vllm") is not None:  # the providers are checked once vLLM is known to be there
+        t += [(["bench", "vllm", "--formats", f], "--formats") for f in [*FORMATS[:4], "int4/int8[x]", "int4/int3[0]"]]
     return t
 
 

