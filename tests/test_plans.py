@@ -181,7 +181,7 @@ def test_the_vllm_settings_take_a_plan_and_name_each_layers_format():
     ]
     assert [f.name for f in s.formats] == ["int4", "int8"]
     uneven = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8,sink=0[1]"}})
-    with pytest.raises(ConfigError, match="differ.* in block size or sink rows"):
+    with pytest.raises(ConfigError, match=r"differ.* in block size or sink rows"):
         settings_from(uneven)
 
 
