@@ -110,14 +110,19 @@ def test_presets_match_reference(name, t):
 @pytest.mark.parametrize("name", ["int8", "kivi2", "fp8-plain", "int4-o4", "fp8-o4"])
 def test_last_row_is_the_decode_kernels_answer(name):
     # the chunk's last query sits where a decode query sits; both kernels read the same codes with the same
-    # helpers in the same order (sink, blocks, tail): the same bytes out, except that the chunk kernel takes the
-    # outlier channels' scores in one float16 dot (the decode kernel sums them in float32)
+    # helpers in the same order (sink, blocks, tail): the same numbers out up to the last bit of a float16 result
+    # (under the interpreter the two kernels' dot products are different numpy calls, whose float16 rounding
+    # depends on the SIMD path numpy picks for the CPU: on one VM 2 of 2,048 outputs differed for this seed, by
+    # up to 1e-3, on another none), except that the chunk kernel takes the outlier channels' scores
+    # in one float16 dot (the decode kernel sums them in float32)
     kv = _cache(name, [70, 23, 48, 7], kv_heads=2)
     q = torch.randn(4, 5, 8, 64).half()
     chunk = tc.chunk_attention(q, kv, window=40)[:, -1]
     decode = td.decode_attention(q[:, -1].contiguous(), kv, window=40, num_splits=1)
     if kv.k_outlier is None:
-        assert torch.equal(chunk, decode), name
+        # one float16 ulp of the partial sums (values of order 1), which a small output of cancelling terms keeps
+        assert_close(chunk.float(), decode.float(), 2e-3, 1e-3, msg=name)
+        assert (chunk != decode).float().mean() < 0.05, name  # and nearly every output bit for bit (seen: <= 1.4%)
     else:
         assert_close(chunk.float(), decode.float(), 3e-3, 0.0, msg=name)
         assert not torch.equal(chunk, tc.chunk_attention(q, replace(kv, k_outlier=kv.k_outlier * 0))[:, -1])
