@@ -63,6 +63,15 @@ def _run(runs, job, fmt, **extra):
     return runs[fmt]
 
 
+def _size_predicts(fmt: str) -> int:
+    """The vLLM tokens ``kvpack size`` (the command a user runs) predicts for ``fmt`` in the job's space."""
+    args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM)]
+    args += ["--context", "512", "--format", fmt, "--vllm-space", f"{KV_BYTES}B", "--max-num-seqs", str(SEQS)]
+    args += ["--dtype", "float32", "--json"]
+    out = subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["formats"][0]["vllm_tokens"]
+
+
 def _identical(a, b) -> float:
     return float(np.mean([x == y for x, y in zip(a["outputs"], b["outputs"])]))
 
@@ -102,11 +111,7 @@ def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
     res = _run(runs, job, fmt)
     f = parse_format(fmt)
     tails = tail_pool_bytes(f, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
-    args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM)]
-    args += ["--context", "512", "--format", fmt, "--vllm-space", f"{KV_BYTES}B", "--max-num-seqs", str(SEQS)]
-    args += ["--dtype", "float32", "--json"]
-    out = subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
-    predicted = json.loads(out.stdout)["formats"][0]["vllm_tokens"]
+    predicted = _size_predicts(fmt)
     assert abs(res["kv_capacity_tokens"] - predicted) <= 0.02 * predicted
     per_token = f.bytes_per_token(KV_HEADS, HEAD_DIM, LAYERS)  # kvpack's own accounting, sink per sequence
     assert res["kv_capacity_tokens"] <= (KV_BYTES - tails) / per_token
@@ -127,11 +132,7 @@ def test_a_mixed_plan_holds_what_kvpack_size_predicts(job, runs):
     the space over their sum, as ``kvpack size`` predicts it."""
     fmt = "int4/int8[0-14]"
     res = _run(runs, job, fmt)
-    args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM)]
-    args += ["--context", "512", "--format", fmt, "--vllm-space", f"{KV_BYTES}B", "--max-num-seqs", str(SEQS)]
-    args += ["--dtype", "float32", "--json"]
-    out = subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
-    predicted = json.loads(out.stdout)["formats"][0]["vllm_tokens"]
+    predicted = _size_predicts(fmt)
     assert res["kv_capacity_tokens"] == predicted
     int8, int4 = _run(runs, job, "int8"), _run(runs, job, "int4")
     assert int8["kv_capacity_tokens"] < predicted < int4["kv_capacity_tokens"]

@@ -85,6 +85,11 @@ class LayerPlan:
         return list(counts.items())
 
     @property
+    def distinct_formats(self) -> list[KVFormat]:
+        """The plan's formats, each once, the base first."""
+        return list(dict.fromkeys([self.base, *(fmt for fmt, _ in self.overrides)]))
+
+    @property
     def is_uniform(self) -> bool:
         """True when every layer has the same format (no override, or overrides equal to the base)."""
         return all(fmt == self.base for fmt, _ in self.overrides)

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
 from kvpack.integrations.vllm.config import Settings, engine_reasons, pay_tails, settings_from
-from kvpack.integrations.vllm.hooks import layer_index, register_table
+from kvpack.integrations.vllm.hooks import register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan, TailTable
@@ -202,14 +202,7 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         ``name``: the vLLM layer's name, whose number picks the layer's format in a per-layer plan."""
         lay = self._layer
         if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
-            fmt = self.settings.format
-            if self.settings.plan.overrides:
-                index = layer_index(name or "")
-                if index is None:
-                    raise ConfigError(
-                        f"kvpack: cannot tell which layer {name!r} is, so a per-layer plan cannot serve it"
-                    )
-                fmt = self.settings.layer_format(index)
+            fmt = self.settings.format_of(name)
             self._layer = PagedLayer(fmt, self.num_kv_heads, self.head_size, capacity, query.dtype, query.device)
 
     def forward(

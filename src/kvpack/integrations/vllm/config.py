@@ -54,11 +54,7 @@ class Settings:
     @property
     def formats(self) -> list[KVFormat]:
         """The plan's distinct formats, the base first."""
-        out = [self.plan.base]
-        for fmt, _ in self.plan.overrides:
-            if fmt not in out:
-                out.append(fmt)
-        return out
+        return self.plan.distinct_formats
 
     def layer_format(self, layer: int) -> KVFormat:
         """The format of layer ``layer`` (0-based, the model's numbering)."""
@@ -66,6 +62,20 @@ class Settings:
             if layer in layers:
                 return fmt
         return self.plan.base
+
+    def format_of(self, layer_name: str | None) -> KVFormat:
+        """The format of the vLLM layer named ``layer_name``: the one number in its name is its index
+        (``model.layers.7.self_attn.attn`` -> 7), as vLLM numbers layers; any name without a plan.
+
+        Raises:
+            ConfigError: a plan, and the name holds no single layer number.
+        """
+        if not self.plan.overrides:
+            return self.plan.base
+        nums = [int(p) for p in (layer_name or "").split(".") if p.isdigit()]
+        if len(nums) != 1:
+            raise ConfigError(f"kvpack: cannot tell which layer {layer_name!r} is, so a per-layer plan cannot serve it")
+        return self.layer_format(nums[0])
 
     @property
     def name(self) -> str:
@@ -139,7 +149,7 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
             f"block_size={cache.block_size} but format {base.name or base.spec_string()} seals blocks of "
             f"{base.block_size}: pass block_size={base.block_size} or a format with block={cache.block_size}"
         )
-    for f in dict.fromkeys([base, *(f for f, _ in plan.overrides)]):
+    for f in plan.distinct_formats:
         name = f.name or f.spec_string()
         if f.is_static:
             reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")

@@ -60,40 +60,29 @@ def _release_finished(runner, scheduler_output) -> None:
 
 
 def layer_specs(specs: dict[str, Any], settings: Any, is_kvpack: Callable[[str], bool]) -> dict[str, Any]:
-    """vLLM's per-layer KV cache specs with each kvpack layer's page sized for its own format.
+    """vLLM's per-layer KV cache specs with each kvpack layer's page sized for its own format
+    (:meth:`~kvpack.integrations.vllm.config.Settings.format_of`).
 
     Args:
         specs: layer name -> vLLM ``AttentionSpec`` (as ``customize_spec`` left it: the base format's page).
         settings: the engine's :class:`~kvpack.integrations.vllm.config.Settings`.
         is_kvpack: whether a layer runs the kvpack backend (others are left as they are).
 
-    A layer's index is the one number in its name (``model.layers.7.self_attn.attn`` -> 7), as vLLM numbers
-    layers. Returns ``specs`` itself when the plan has no overrides.
+    Returns ``specs`` itself when the plan has no overrides.
 
     Raises:
         ConfigError: a kvpack layer's name holds no single layer number.
     """
-    from kvpack.errors import ConfigError
     from kvpack.integrations.vllm.layout import PageLayout
 
     if not settings.plan.overrides:
         return specs
     out = dict(specs)
     for name, spec in specs.items():
-        if not is_kvpack(name):
-            continue
-        index = layer_index(name)
-        if index is None:
-            raise ConfigError(f"kvpack: cannot tell which layer {name!r} is, so a per-layer plan cannot size its pages")
-        layout = PageLayout.build(settings.layer_format(index), spec.num_kv_heads, spec.head_size, spec.dtype)
-        out[name] = dataclasses.replace(spec, num_head_slots=1, state_content_bytes=layout.cell_bytes)
+        if is_kvpack(name):
+            layout = PageLayout.build(settings.format_of(name), spec.num_kv_heads, spec.head_size, spec.dtype)
+            out[name] = dataclasses.replace(spec, num_head_slots=1, state_content_bytes=layout.cell_bytes)
     return out
-
-
-def layer_index(name: str) -> int | None:
-    """The layer number in a module name (``model.layers.7.self_attn.attn`` -> 7); None unless exactly one."""
-    nums = [int(p) for p in name.split(".") if p.isdigit()]
-    return nums[0] if len(nums) == 1 else None
 
 
 def _kvpack_layers(runner) -> Callable[[str], bool]:
@@ -138,9 +127,7 @@ def install() -> bool:
 
             specs = orig_spec(self)
             settings = settings_from(self.vllm_config)
-            if settings is None or not settings.plan.overrides:
-                return specs
-            return layer_specs(specs, settings, _kvpack_layers(self))
+            return specs if settings is None else layer_specs(specs, settings, _kvpack_layers(self))
 
         get_kv_cache_spec._kvpack_hook = True  # type: ignore[attr-defined]
         get_kv_cache_spec.__wrapped__ = orig_spec  # type: ignore[attr-defined]
