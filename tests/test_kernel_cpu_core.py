@@ -283,8 +283,9 @@ def test_runs_of_blocks_match_one_block_at_a_time(
     and for asymmetric int4 keys with int4 group values a few int16 weight roundings that float32 association
     flips (the two paths compute ``p`` as ``s + (kc - m)`` and ``(s + kc) - m``): 7.7e-5 at most on an AVX-512
     VNNI CPU under numba 0.65 and 0.68, both paths 3.7e-4 from a float64 oracle. The lengths leave full
-    runs, short last runs and single blocks; a window that starts inside a block and left padding send blocks
-    through the one-block path in the middle of a history; small work items on two threads cut runs at item
+    runs, short last runs and single blocks; a window that starts inside a block, left padding and the presets'
+    sink row start runs with their first rows masked (whose per-token value scales, k8v4's, must not bound the
+    run's int16 weights: they did, 1.3e-4 off); small work items on two threads cut runs at item
     boundaries; padded heads (group 3, 1) and head_dim 64-256 change the scratch shapes."""
     monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 4 * block)
     monkeypatch.setattr(cpu, "_SERIAL_BLOCKS", 1)

@@ -289,12 +289,14 @@ def _schedule(sim: _Sim) -> None:
     assert sim.table.num_allocated == 0
 
 
-def test_non_finite_keys_are_refused_at_seal_and_nothing_is_written():
-    sim = _Sim("int8", num_blocks=8, capacity=2, kernel="reference", seed=1)
+@pytest.mark.parametrize("preset", ["int8", "fp8"])  # the compiled seal, and quantize's
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_non_finite_rows_are_refused_at_seal_and_nothing_is_written(preset, role):
+    sim = _Sim(preset, num_blocks=8, capacity=2, kernel="reference", seed=1)
     plan = _plan(sim.table, [(0, 64, [3])])
     before = sim.buf.clone()
-    key = torch.randn(64, H, D)
-    key[10, 1, 5] = float("nan")
-    with pytest.raises(NonFiniteError):
-        sim.layer.write(sim.kv_cache, plan, key, torch.randn(64, H, D))
+    rows = {"key": torch.randn(64, H, D), "value": torch.randn(64, H, D)}
+    rows[role][10, 1, 5] = float("nan")  # a value's NaN too: the keys, finite, must not be written either
+    with pytest.raises(NonFiniteError, match="position 10"):
+        sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
     assert torch.equal(sim.buf, before)

@@ -59,7 +59,7 @@ BACKENDS: dict[str, DecodeBackend] = {
         "kvpack.kernels.reference",
         "kvpack.kernels.reference",
     ),
-    # outlier residuals are added to the scores in the kernel; sink rows attended beside it (kernels.cpu_sink)
+    # outlier residuals are added to the scores in the kernel; sink rows attended in its merge
     "cpu": ModuleBackend("cpu", _FUSED, "kvpack.kernels.cpu", "kvpack.kernels.cpu_chunk", extra="cpu"),
     # outlier residuals and sink rows (replacing their sealed rows) inside the kernels
     "triton": ModuleBackend(

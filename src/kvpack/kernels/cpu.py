@@ -572,10 +572,8 @@ def decode_attention(
     run_items(nbm.work, items, threads, args, runs)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
-    extra = _NO_PARTIALS
-    if kv.sink:
-        extra = _sink_partials(qf, kv, prep.sinks, sink_len, lo, sm * _LOG2E)
-    nbm.merge(first, kv.kv_heads, pm, pl, pacc, *extra, res)
+    sk, sv = _sink_rows(kv, prep.sinks) if kv.sink else (_NO_SINK, _NO_SINK)
+    nbm.merge(first, kv.kv_heads, pm, pl, pacc, qf, sk, sv, sink_len, lo, np.float32(sm * _LOG2E), res)
     if direct:
         return out
     result = torch.from_numpy(res)
@@ -596,17 +594,15 @@ def _raise_contents(err: int, seq_lens: np.ndarray, tables: np.ndarray, num_bloc
     raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
 
 
-# merge's extra partial per (sequence, kv head) when there is none: arrays with no rows
-_NO_PARTIALS = (np.empty((0, 1), np.float32), np.empty((0, 1), np.float32), np.empty((0, 1, 1), np.float32))
+_NO_SINK = np.empty((0, 1, 1, 1), np.float32)  # merge's sink rows when there are none
 
 
-def _sink_partials(qf, kv, sinks, sink_len, lo, scale_log2):
-    """The sink rows ``[lo, sink_len)`` of each (sequence, kv head) as one more partial for the merge
-    (``sinks``: live float32 views of ``kv.sink_k`` / ``kv.sink_v`` when there are, else None)."""
-    from kvpack.kernels.cpu_sink import sink_partials
-
-    sk, sv = sinks if sinks is not None else (t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
-    return sink_partials(qf, sk, sv, sink_len, lo, scale_log2)
+def _sink_rows(kv: PagedKV, sinks: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    """``[batch, H, S, D]`` float32 sink rows for :func:`cpu_numba.merge` (``sinks``: live views of ``kv.sink_k`` /
+    ``kv.sink_v`` when there are, else a float32 copy)."""
+    if sinks is not None:
+        return sinks
+    return tuple(t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
 
 
 def plan_items(

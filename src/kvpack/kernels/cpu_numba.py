@@ -1558,9 +1558,12 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
-                  qspread):  # fmt: skip
-    """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window) with one softmax step, on the
-    integer path with key scales constant over a block's tokens (see :func:`_multi_eligible`).
+                  qspread, skip):  # fmt: skip
+    """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window but the first ``skip`` rows of
+    block ``j``) with one softmax step, on the integer path with key scales constant over a block's tokens (see
+    :func:`_multi_eligible`). ``skip``: the positions before the window or the first attended one (a sink row kept
+    in full precision, left padding), masked after the key loop; the block's largest score is then taken over
+    the rows it keeps (an attention sink's score is far above the others').
 
     Per block, as in :func:`_attend`: the key scales folded into the int16 query, the key loop (scores into
     ``msc[:, i * B:]``, the block's constant ``kc`` added), the value scales, zero-point sums and int16 weights,
@@ -1630,6 +1633,15 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
                 row = msc[g]
                 for t in range(ubs):
                     row[col + t] += c
+        if i == 0 and skip > 0:  # col is 0
+            for g in range(g_n):
+                row = msc[g]
+                top = row[skip]
+                for t in range(U64(skip + 1), ubs):
+                    top = max(top, row[t])
+                mpk[g] = top
+                for t in range(U64(skip)):
+                    row[t] = -np.inf
     # ---- online softmax (base 2), once for the nb blocks. mpk[i * G4 + g]: block i's largest score (from the key
     # loop), then its largest weight p, which with its largest scale bounds its int16 weights (per block, as on
     # the one-block path: a bound shared by the run costs the blocks far from the attention's peak precision)
@@ -1659,8 +1671,13 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
         idx = np.int64(tables[b, j + i])
         svi = msv[i]  # read with the block's keys
         mbits = np.int32(0)
-        for e in range(U64(nsv)):
-            mbits = _max_i32(mbits, _abs_bits(svi[e]))
+        if i == 0 and skip > 0 and vts > 1:  # per-token scales: the masked rows' do not bound the weights
+            for grp in range(vcs):
+                for t in range(U64(grp * vts + skip), U64(grp * vts + vts)):
+                    mbits = _max_i32(mbits, _abs_bits(svi[t]))
+        else:
+            for e in range(U64(nsv)):
+                mbits = _max_i32(mbits, _abs_bits(svi[e]))
         mx = _as_f32(mbits)
         col = U64(i * bs)
         if vz:
@@ -1970,8 +1987,8 @@ def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1
                  kout, kidx, mt):  # fmt: skip
     """:func:`_attend` over sealed blocks ``[j0, j1)`` of row ``b`` for specs :func:`_multi_eligible` takes: runs of
     up to ``kp[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
-    step each); a block the window starts inside goes through :func:`_attend` alone; released blocks are
-    skipped; so is a block whose integer operands would lose accuracy (:func:`_multi_fits`: it ends the run and takes
+    step each; a block the window or the first attended position starts inside begins a run, its earlier rows
+    masked); released blocks are skipped; so is a block whose integer operands would lose accuracy (:func:`_multi_fits`: it ends the run and takes
     the float path). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
     mlen = kp[P_MULTI]
     qspread = np.int64(0)  # the query's largest spread over its heads (see _multi_fits)
@@ -1980,11 +1997,15 @@ def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1
     j = j0
     while j < j1:
         nb = 0
-        while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (j + nb) * bs >= lo:
-            nb += 1
+        # a run starts at the block the window (or the first attended position) starts inside: its rows before
+        # lo are masked (skip); every later block of the run lies inside
+        skip = max(lo - j * bs, 0)
+        if skip < bs:
+            while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (nb == 0 or (j + nb) * bs >= lo):
+                nb += 1
         if nb > 0:
             done = _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st,
-                                 mt, qspread)  # fmt: skip
+                                 mt, qspread, skip)  # fmt: skip
             j += done
             if done == nb:
                 continue
@@ -2274,30 +2295,40 @@ def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tail
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def merge(first, kv_heads, pm, pl, pacc, sm, sl, sacc, out):
-    """Combine the chunks of each ``(row, head)`` with log-sum-exp into ``out`` ``[batch, Hq, D]`` float32.
+def merge(first, kv_heads, pm, pl, pacc, q, sink_k, sink_v, sink_len, lo, scale_log2, out):
+    """Combine the chunks of each ``(row, head)`` with log-sum-exp into ``out`` ``[batch, Hq, D]`` float32, with
+    the row's sink positions ``[lo, sink_len)`` as one more partial, attended here.
 
     first: ``[batch * kv_heads + 1]`` from :func:`plan`; pm, pl, pacc: the partials from :func:`work`;
-    sm, sl, sacc: one more partial per ``(row, head)`` (``[batch * kv_heads, G]``, ``[.., G]``, ``[.., G, D]``;
-    the sink rows, :mod:`kvpack.kernels.cpu_sink`), or arrays with no rows when there is none.
-    A row with nothing to attend gets zeros.
+    q: ``[batch, Hq, D]`` float32; sink_k, sink_v: ``[batch, H, S, D]`` float32 sink rows, or arrays with no
+    rows when there are none; sink_len, lo: ``[batch]`` int64 (:func:`launch_plan`); scale_log2:
+    ``sm_scale * log2(e)``. A row with nothing to attend gets zeros. (The sink rows were a separate call with
+    its own ``[batch * H, G, D]`` partials: ~0.7 us per row and head at batch 32, more than the merge itself.)
     """
     g_n = out.shape[1] // kv_heads
     d = out.shape[2]
-    extra = sm.shape[0] > 0
+    sinks = sink_k.shape[0] > 0
+    s_n = sink_k.shape[2]
+    x = np.empty(max(s_n, 1), np.float32)
     for bh in range(first.shape[0] - 1):
         b = bh // kv_heads
         h = bh % kv_heads
         i0 = first[bh]
         i1 = first[bh + 1]
+        p0 = lo[b] if sinks else 0
+        p1 = sink_len[b] if sinks else 0
         for g in range(g_n):
             o = out[b, h * g_n + g]
             o[:] = 0.0
             mx = np.float32(-np.inf)
             for it in range(i0, i1):
                 mx = max(mx, pm[it, g])
-            if extra:
-                mx = max(mx, sm[bh, g])
+            for p in range(p0, p1):  # the sink rows' base-2 logits
+                s = _ZERO
+                for i in range(d):
+                    s += q[b, h * g_n + g, i] * sink_k[b, h, p, i]
+                x[p] = s * scale_log2
+                mx = max(mx, x[p])
             if mx == -np.inf:
                 continue
             den = _ZERO
@@ -2308,11 +2339,11 @@ def merge(first, kv_heads, pm, pl, pacc, sm, sl, sacc, out):
                 den += f * pl[it, g]
                 for i in range(d):
                     o[i] += f * pacc[it, g, i]
-            if extra and sm[bh, g] != -np.inf:
-                f = _exp2(sm[bh, g] - mx)
-                den += f * sl[bh, g]
+            for p in range(p0, p1):
+                f = _exp2(x[p] - mx)
+                den += f
                 for i in range(d):
-                    o[i] += f * sacc[bh, g, i]
+                    o[i] += f * sink_v[b, h, p, i]
             inv = np.float32(1.0) / den
             for i in range(d):
                 o[i] *= inv

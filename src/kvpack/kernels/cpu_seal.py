@@ -16,7 +16,7 @@ import torch
 
 from kvpack.formats import QuantSpec, ScaleDType
 
-__all__ = ["seal_blocks", "supports"]
+__all__ = ["gather_blocks", "seal_blocks", "supports"]
 
 
 def supports(spec: QuantSpec) -> bool:
@@ -43,6 +43,28 @@ def _numba() -> Any:
 def _f16_table() -> np.ndarray:
     """``[65536]`` float32: every float16 bit pattern's value."""
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def gather_blocks(
+    tail: torch.Tensor, new: torch.Tensor, slots: np.ndarray, froms: np.ndarray, toks: np.ndarray
+) -> tuple[torch.Tensor, bool]:
+    """The blocks a step fills, in one compiled pass (where a torch gather cost a ``cat`` per block, a ``stack``
+    and a finiteness check: ~45 us per block in the vLLM backend).
+
+    Args:
+        tail: ``[capacity, H, T, D]`` float32, contiguous: the open blocks' rows (a tail slot per block).
+        new: ``[N, H, D]`` float32: the step's rows.
+        slots, froms, toks: ``[K]``: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` rows, then ``new``'s
+            rows from ``toks[i]`` on.
+
+    Returns:
+        ``([K, H, T, D]`` float32 blocks, whether every value is finite).
+    """
+    k, (_, h, t, d) = len(slots), tail.shape
+    out = np.empty((k, h, t, d), np.float32)
+    i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
+    ok = _numba().gather_blocks(tail.numpy(), new.contiguous().numpy(), i64(slots), i64(froms), i64(toks), out)
+    return torch.from_numpy(out), bool(ok)
 
 
 def seal_blocks(

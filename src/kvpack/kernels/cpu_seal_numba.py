@@ -135,6 +135,28 @@ def _ranges(x, i, hs, ts, cs, asym, lo, hi):
 
 
 @njit(cache=True, nogil=True)
+def gather_blocks(tail, new, slots, froms, toks, out):
+    """Assemble the blocks a step fills: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` tail rows, then
+    new rows ``toks[i], toks[i] + 1, ...`` up to the block's end. Returns whether every value is finite.
+
+    Args:
+        tail: ``[capacity, H, T, D]`` float32 tail rows; new: ``[N, H, D]`` float32 the step's rows.
+        slots, froms, toks: ``[K]`` int64. out: ``[K, H, T, D]`` float32, written.
+    """
+    nk, h, t, d = out.shape
+    for i in range(nk):
+        s, f, k0 = slots[i], froms[i], toks[i]
+        for a in range(h):
+            for b in range(f):
+                for c in range(d):
+                    out[i, a, b, c] = tail[s, a, b, c]
+            for b in range(f, t):
+                for c in range(d):
+                    out[i, a, b, c] = new[k0 + b - f, a, c]
+    return _finite(out)
+
+
+@njit(cache=True, nogil=True)
 def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_out, zero_out):
     """Quantize and pack ``K`` blocks into their pages; returns 1 (nothing written) if ``x`` holds a NaN/inf.
 

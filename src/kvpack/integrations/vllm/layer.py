@@ -4,8 +4,9 @@
 Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 
 1. seals the blocks this step fills: their tail rows and new tokens quantized into the block's page
-   (block-local scales, computed once; the page never changes again), integer formats on the CPU in one
-   compiled call (:mod:`kvpack.kernels.cpu_seal`), others with :func:`kvpack.quant.quantize`;
+   (block-local scales, computed once; the page never changes again), integer formats of a float32 model on
+   the CPU gathered and sealed in compiled calls (:mod:`kvpack.kernels.cpu_seal`), others with torch and
+   :func:`kvpack.quant.quantize`;
 2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
 3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
    view (:func:`kvpack.kernels.run_backend`), which reads the packed pages
@@ -107,6 +108,18 @@ class PagedLayer:
     # -- writes -----------------------------------------------------------------------------------------
 
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        specs = (self.format.key, self.format.value)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and all(map(cpu_seal.supports, specs)):
+            xs = []  # both gathered and checked before either is written
+            for tail, new in ((self.tail_k, k), (self.tail_v, v)):
+                x, finite = cpu_seal.gather_blocks(tail, new, plan.seal_slot, plan.seal_from, plan.seal_tok)
+                if not finite:
+                    _raise_non_finite(x)  # NonFiniteError naming block, head and position; nothing written
+                xs.append(x)
+            for prefix, spec, x in zip(("k", "v"), specs, xs):
+                rows = [pools.get(f"{prefix}_{part}_bytes") for part in ("data", "scale", "zero")]
+                cpu_seal.seal_blocks(x, spec, plan.seal_block, *rows)
+            return
         b = self.format.block_size
         blocks_k, blocks_v = [], []
         for slot, s, tok in zip(plan.seal_slot.tolist(), plan.seal_from.tolist(), plan.seal_tok.tolist()):
