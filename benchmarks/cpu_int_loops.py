@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvpack.kernels import cpu
+from kvpack.kernels import cpu_decode
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
 
     from numba import njit
 
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     kind = nbm.S8 if args.format == "int8" else nbm.E4M3
     d, bs = 128, 64
     u64 = np.uint64

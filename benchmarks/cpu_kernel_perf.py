@@ -44,8 +44,8 @@ def _elf(x, depth: int = 0) -> bytes | None:
 
 
 def _short(name: str) -> str:
-    """``_ZN6kvpack7kernels9cpu_numba7_attendB3v25...`` -> ``_attend``."""
-    key = "cpu_numba"
+    """``_ZN6kvpack7kernels16cpu_decode_numba7_attendB3v25...`` -> ``_attend``."""
+    key = "cpu_decode_numba"
     if key not in name:
         return name
     i = name.index(key) + len(key)
@@ -57,12 +57,12 @@ def _short(name: str) -> str:
 
 def write_perf_map() -> int:
     """Write ``/tmp/perf-<pid>.map`` for the kernel's compiled library; returns the number of symbols."""
-    import kvpack.kernels.cpu_numba as nbm
+    import kvpack.kernels.cpu_decode_numba as nbm
 
     (_, cres), *_ = nbm.work.overloads.items()
     base = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
     line = nbm.work.py_func.__code__.co_firstlineno
-    pattern = os.path.join(os.path.dirname(nbm.__file__), "__pycache__", f"cpu_numba.work-{line}.py*.nbc")
+    pattern = os.path.join(os.path.dirname(nbm.__file__), "__pycache__", f"cpu_decode_numba.work-{line}.py*.nbc")
     files = sorted(glob.glob(pattern), key=os.path.getmtime)
     if not files:
         raise SystemExit(f"no cached kernel at {pattern}: run the kernel once with the disk cache enabled")

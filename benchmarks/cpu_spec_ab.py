@@ -23,12 +23,12 @@ import time
 import torch
 
 from kvpack.bench.decode import add_case_options, case_from_options
-from kvpack.kernels import cpu, decode_attention
+from kvpack.kernels import cpu_decode, decode_attention
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--param", default="P_MULTI", help="a spec parameter of kvpack.kernels.cpu_numba (P_*)")
+    ap.add_argument("--param", default="P_MULTI", help="a spec parameter of kvpack.kernels.cpu_decode_numba (P_*)")
     ap.add_argument("--values", default="16,1", help="comma-separated settings; ratios are to the first")
     ap.add_argument("--role", choices=("key", "value", "both"), default="both", help="which spec gets the setting")
     ap.add_argument("--rounds", type=int, default=5)
@@ -42,7 +42,7 @@ def main() -> None:
         decode_attention(case.q, kv, backend="cpu", out=out)
 
     call()
-    state, index = cpu._prepare(kv), getattr(cpu._nb(), args.param)
+    state, index = cpu_decode._prepare(kv), getattr(cpu_decode._nb(), args.param)
     specs = [s for r, s in (("key", state.kp), ("value", state.vp)) if args.role in (r, "both")]
     old = [int(s[index]) for s in specs]
     values = [int(v) for v in args.values.split(",")]

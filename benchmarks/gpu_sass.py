@@ -38,7 +38,7 @@ def loop_row(name: str, codes: str, q_dtype: torch.dtype) -> dict:
     if fmt.key.rotate:  # a fused backend gets the rotated query and an unrotated view (kernels.run_backend)
         kv = replace(kv, key_rotation=None)
     q = torch.randn(2, 32, 128, dtype=q_dtype)
-    usage = td.compile_launch(td.plan(q, kv, num_splits=2, codes=codes)[0][0])
+    usage = td.compile_launch(td.build_launches(q, kv, num_splits=2, codes=codes)[0][0])
     ops = usage.pop("loop_ops")
 
     def count(*prefixes: str) -> int:

@@ -65,7 +65,7 @@ def tune_one(args, device, timer, copy_gbps, fmt_name: str, batch: int, deadline
         if time.monotonic() > deadline:
             return {**row, "error": "time budget"}
         try:
-            launches, out = td.plan(
+            launches, out = td.build_launches(
                 q, kv, num_splits=splits, num_warps=warps, num_stages=stages, codes=codes, max_registers=cap
             )
             out.fill_(float("nan"))  # poisoned: every element must be written

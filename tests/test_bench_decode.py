@@ -15,7 +15,7 @@ from kvpack.bench.membw import measure_read_bandwidth
 from kvpack.cli.main import main
 from kvpack.errors import ConfigError
 from kvpack.formats import PRESETS
-from kvpack.kernels import cpu, decode_attention, reference
+from kvpack.kernels import cpu_decode, decode_attention, reference
 from kvpack.testing import assert_close, cpu_kernel_tolerance
 
 TINY = dict(contexts=(70,), batch=2, q_heads=4, kv_heads=2, head_dim=64, block_size=16, formats=("int8", "kivi2"),
@@ -97,7 +97,7 @@ def test_block_read_probe_reads_every_line_the_kernel_reads(name: str, order: st
     words = [t.contiguous().view(torch.uint8).reshape(t.shape[0], 2, -1).numpy().view(np.uint64)[:, :, ::8]
              for t in (kv.k_data, kv.v_data)]  # fmt: skip
     assert len(probe.items) > 1
-    assert probe.blocks_per_run == cpu.MULTI_TOKENS // 16  # keys of a run's blocks, then their values
+    assert probe.blocks_per_run == cpu_decode.MULTI_TOKENS // 16  # keys of a run's blocks, then their values
     for i, (b, h, j0, j1, _) in enumerate(probe.items):
         blk = kv.block_tables[b, j0:j1].numpy()
         blk = blk[blk > 0]
@@ -168,8 +168,8 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     states = []
-    prepare = cpu._prepare
-    monkeypatch.setattr(cpu, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
+    prepare = cpu_decode._prepare
+    monkeypatch.setattr(cpu_decode, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
     monkeypatch.setattr(sys, "argv", ["x", "--values", "16,1", "--context", "1024", "--rounds", "2", "--threads", "1"])
     old = torch.get_num_threads()
     try:
@@ -181,8 +181,8 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
     rows = [ln.split() for ln in lines[1:]]
     assert [r[0] for r in rows] == ["16", "1"] and all(float(r[1]) > 0 for r in rows)
     assert rows[0][3:] == ["1.00", "1.00"]  # the first setting is the reference of every round
-    nbm = cpu._nb()
-    assert int(states[0].kp[nbm.P_MULTI]) == cpu.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])
+    nbm = cpu_decode._nb()
+    assert int(states[0].kp[nbm.P_MULTI]) == cpu_decode.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])
 
 
 def test_cycle_blocks_points_every_sequence_at_its_first_blocks_over_and_over() -> None:

@@ -4,7 +4,7 @@ Tolerances: both paths read the same stored bytes and accumulate in float32, so 
 summation order: float32 queries get atol 2e-4 / rtol 2e-3; half-precision queries and outputs get the
 rounding of that dtype on top (atol/rtol 2e-2 for bf16, 5e-3 for fp16).
 
-The integer path (int8/int4/int2 codes, and fp8 with AVX-512 BW; ``cpu.int_dot_enabled()``) rounds two
+The integer path (int8/int4/int2 codes, and fp8 with AVX-512 BW; ``cpu_decode.int_dot_enabled()``) rounds two
 float operands to int16, per block and head, at 32767 over their largest magnitude: the key-scale-folded
 query ``qf`` and the
 attention weights ``p * v_scale`` (bounded by the block's largest ``p`` times its largest scale). Each
@@ -33,8 +33,10 @@ same caches (vs full precision attention); ``FP8_INT_TOL`` = atol 2e-2 / rtol 5e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,7 +45,8 @@ import torch
 import kvpack.kernels as K
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import PRESETS, ScaleDType, parse_format
-from kvpack.kernels import cpu, reference
+from kvpack.kernels import cpu_decode, reference
+from kvpack.kernels import cpu_decode_ir as ir
 from kvpack.kernels.lowering import scale_kind
 from kvpack.testing import FP8_INT_PATH_TOL, INT_PATH_TOL, assert_close, cpu_kernel_tolerance, random_paged_kv
 
@@ -56,15 +59,15 @@ FP8_INT_TOL = FP8_INT_PATH_TOL
 def dot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test on the integer path (forced: where the CPU has neither AVX2 nor AVX-512 BW the portable IR runs
     anyway) and the float one."""
-    monkeypatch.setattr(cpu, "INT_DOT", request.param == "int")
+    monkeypatch.setattr(cpu_decode, "INT_DOT", request.param == "int")
     return request.param
 
 
 def _int_path(kv) -> bool:
     """Whether the integer path handles the keys or the values of ``kv`` here."""
-    p_dot = cpu._nb().P_DOT
-    keys = cpu._params(kv.format.key, kv, kv.k_data, "key")[p_dot]
-    values = cpu._params(kv.format.value, kv, kv.v_data, "value")[p_dot]
+    p_dot = cpu_decode._nb().P_DOT
+    keys = cpu_decode._params(kv.format.key, kv, kv.k_data, "key")[p_dot]
+    values = cpu_decode._params(kv.format.value, kv, kv.v_data, "value")[p_dot]
     return bool(keys or values)
 
 
@@ -81,7 +84,7 @@ def _lengths(b: int) -> list[int]:
 def _check(kv, q, *, window=None, sm_scale=None, tol=None):
     """Run the kernel into a NaN-poisoned buffer and compare with the reference."""
     out = torch.full_like(q, float("nan"))
-    res = cpu.decode_attention(q, kv, sm_scale, window, out)
+    res = cpu_decode.decode_attention(q, kv, sm_scale, window, out)
     assert res is out
     ref = reference.decode_attention(q, kv, sm_scale, window)
     atol, rtol = _tol(kv, tol or TOL[q.dtype])
@@ -190,9 +193,11 @@ def test_left_padding_start_pos(dot_path: str) -> None:
 
 def test_long_sequence_is_split_and_merged(monkeypatch: pytest.MonkeyPatch) -> None:
     """A single long sequence is cut into chunks that run on several threads and merge exactly."""
-    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 64)
+    monkeypatch.setattr(cpu_decode, "MIN_CHUNK_TOKENS", 64)
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [3001], kv_heads=1, head_dim=64, seed=2)
-    items, first = cpu._nb().plan(kv.seq_lens.numpy(), torch.zeros(1, dtype=torch.int32).numpy(), -1, 16, 1, 8, 4)
+    items, first = cpu_decode._nb().work_items(
+        kv.seq_lens.numpy(), torch.zeros(1, dtype=torch.int32).numpy(), -1, 16, 1, 8, 4
+    )
     assert len(items) > 1 and first[-1] == len(items)
     q = torch.randn(1, 4, 64)
     old = torch.get_num_threads()
@@ -207,7 +212,7 @@ def test_sm_scale_and_fresh_output() -> None:
     kv, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(32), [45, 64], kv_heads=1, head_dim=128, seed=9)
     q = torch.randn(2, 2, 128)
     _check(kv, q, sm_scale=0.3)
-    fresh = cpu.decode_attention(q, kv)  # no out buffer: a new tensor in q.dtype
+    fresh = cpu_decode.decode_attention(q, kv)  # no out buffer: a new tensor in q.dtype
     assert fresh.shape == q.shape and fresh.dtype == q.dtype
     assert_close(fresh, reference.decode_attention(q, kv), *_tol(kv, TOL[torch.float32]))
 
@@ -218,12 +223,12 @@ def test_sm_scale_and_fresh_output() -> None:
 
 def test_reasons_unsupported_lists_why() -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [20], kv_heads=1, head_dim=64)
-    assert cpu.reasons_unsupported(torch.randn(1, 2, 64), kv) == []
-    reasons = cpu.reasons_unsupported(torch.randn(1, 2, 64, dtype=torch.float64), kv)
+    assert cpu_decode.reasons_unsupported(torch.randn(1, 2, 64), kv) == []
+    reasons = cpu_decode.reasons_unsupported(torch.randn(1, 2, 64, dtype=torch.float64), kv)
     assert any("float64" in r for r in reasons)
     per_channel_int4_values = parse_format("k=int8,v=int4:channel:asym").with_block_size(16)
     kv4, _, _ = random_paged_kv(per_channel_int4_values, [20], kv_heads=1, head_dim=64)
-    reasons = cpu.reasons_unsupported(torch.randn(1, 2, 64), kv4)
+    reasons = cpu_decode.reasons_unsupported(torch.randn(1, 2, 64), kv4)
     assert len(reasons) == 1 and reasons[0].startswith("value:") and "g16" in reasons[0]
 
 
@@ -256,34 +261,34 @@ def test_bad_input_raises_shape_errors() -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [20, 40], kv_heads=2, head_dim=64)
     q = torch.randn(2, 4, 64)
     with pytest.raises(ShapeError, match="q must be"):
-        cpu.decode_attention(torch.randn(2, 3, 64), kv)
+        cpu_decode.decode_attention(torch.randn(2, 3, 64), kv)
     with pytest.raises(ShapeError, match="out must be"):
-        cpu.decode_attention(q, kv, out=torch.empty(2, 4, 64, dtype=torch.float64))
+        cpu_decode.decode_attention(q, kv, out=torch.empty(2, 4, 64, dtype=torch.float64))
     bad_tables = kv.block_tables.clone()
     bad_tables[0, 0] = kv.k_data.shape[0]
     with pytest.raises(ShapeError, match="outside"):
-        cpu.decode_attention(q, dataclasses.replace(kv, block_tables=bad_tables))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, block_tables=bad_tables))
     with pytest.raises(ShapeError, match="at least one token"):
-        cpu.decode_attention(q, dataclasses.replace(kv, seq_lens=torch.tensor([0, 40], dtype=torch.int32)))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, seq_lens=torch.tensor([0, 40], dtype=torch.int32)))
     with pytest.raises(ShapeError, match="too few for seq_len"):
-        cpu.decode_attention(q, dataclasses.replace(kv, block_tables=kv.block_tables[:, :1].clone()))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, block_tables=kv.block_tables[:, :1].clone()))
     # the same view, its contents changed in place: checked on every call, and nothing is left changed
     kv.block_tables[1, 0] = -3
     with pytest.raises(ShapeError, match="outside"):
-        cpu.decode_attention(q, kv)
+        cpu_decode.decode_attention(q, kv)
     with pytest.raises(ShapeError, match="payload dtype"):
-        cpu.decode_attention(q, dataclasses.replace(kv, k_data=kv.k_data.view(torch.uint8)))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_data=kv.k_data.view(torch.uint8)))
     with pytest.raises(ShapeError, match="key scale"):
-        cpu.decode_attention(q, dataclasses.replace(kv, k_scale=None))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_scale=None))
 
 
 def test_kind_tables_match_the_compiled_module() -> None:
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     assert scale_kind(ScaleDType.FP32) == nbm.SC_F32
     assert scale_kind(ScaleDType.FP16) == nbm.SC_F16
     assert scale_kind(ScaleDType.BF16) == nbm.SC_BF16
     assert scale_kind(ScaleDType.E8M0) == nbm.SC_E8M0
-    assert cpu._FLOAT_KIND == {torch.float16: nbm.FK_F16, torch.bfloat16: nbm.FK_BF16, torch.float32: nbm.FK_F32}
+    assert cpu_decode._FLOAT_KIND == {torch.float16: nbm.FK_F16, torch.bfloat16: nbm.FK_BF16, torch.float32: nbm.FK_F32}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -294,25 +299,25 @@ def test_int_path_is_chosen_for_int_and_fp8_codes_only(monkeypatch: pytest.Monke
     kv8, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     kvf, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     kvs, _, _ = random_paged_kv(PRESETS["fp16"].with_block_size(16), [40], kv_heads=1, head_dim=64)
-    monkeypatch.setattr(cpu, "INT_DOT", True)
-    fp8_int = cpu.int_dot_isa() == "avx512bw"  # fp8 codes through a vpermt2w table: AVX-512 BW only
+    monkeypatch.setattr(cpu_decode, "INT_DOT", True)
+    fp8_int = cpu_decode.int_dot_isa() == "avx512bw"  # fp8 codes through a vpermt2w table: AVX-512 BW only
     assert _int_path(kv8) and _int_path(kvf) == fp8_int and not _int_path(kvs)  # fp16 never
     odd, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(18), [40], kv_heads=1, head_dim=64)
-    p_dot = cpu._nb().P_DOT
-    assert cpu._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
-    assert cpu._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
+    p_dot = cpu_decode._nb().P_DOT
+    assert cpu_decode._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
+    assert cpu_decode._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
     if fp8_int:  # fp8's 12-bit codes leave the query 11 bits at head_dim 512 (still the integer path), 10 at 1024
         wide, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=512)
-        assert cpu._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)
+        assert cpu_decode._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)
         wider, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=1024)
-        assert cpu._params(wider.format.key, wider, wider.k_data, "key")[p_dot] == 0
-        assert cpu._params(wider.format.value, wider, wider.v_data, "value")[p_dot] > 0
-        assert cpu._params(kvf.format.key, kvf, kvf.k_data, "key")[p_dot] == 16392  # 2**31 // (64 * 2047)
-    monkeypatch.setattr(cpu, "INT_DOT", False)
+        assert cpu_decode._params(wider.format.key, wider, wider.k_data, "key")[p_dot] == 0
+        assert cpu_decode._params(wider.format.value, wider, wider.v_data, "value")[p_dot] > 0
+        assert cpu_decode._params(kvf.format.key, kvf, kvf.k_data, "key")[p_dot] == 16392  # 2**31 // (64 * 2047)
+    monkeypatch.setattr(cpu_decode, "INT_DOT", False)
     assert not _int_path(kv8)
-    monkeypatch.setattr(cpu, "INT_DOT", None)
+    monkeypatch.setattr(cpu_decode, "INT_DOT", None)
     monkeypatch.setenv("KVPACK_CPU_INT_DOT", "0")
-    assert not cpu.int_dot_enabled()
+    assert not cpu_decode.int_dot_enabled()
 
 
 def test_int_and_float_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,8 +325,8 @@ def test_int_and_float_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(3, 8, 128)
     outs = {}
     for flag in (True, False):
-        monkeypatch.setattr(cpu, "INT_DOT", flag)
-        outs[flag] = cpu.decode_attention(q, kv)
+        monkeypatch.setattr(cpu_decode, "INT_DOT", flag)
+        outs[flag] = cpu_decode.decode_attention(q, kv)
     assert not torch.equal(outs[True], outs[False])  # two different computations...
     assert_close(outs[True], outs[False], *INT_TOL)  # ...within the stated bound
 
@@ -348,13 +353,25 @@ def test_outlier_pools_are_checked() -> None:
     kv, _, _ = random_paged_kv(PRESETS["fp8-o4"].with_block_size(16), [40], kv_heads=1, head_dim=64)
     q = torch.randn(1, 2, 64)
     with pytest.raises(ShapeError, match="k_outlier must be"):
-        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier=kv.k_outlier.float()))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_outlier=kv.k_outlier.float()))
     with pytest.raises(ShapeError, match="come together"):
-        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=None))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=None))
     bad = kv.k_outlier_idx.clone()
     bad[kv.block_tables[0, 0].long(), 0, 0] = 64  # a channel past head_dim in a block the sequence uses
     with pytest.raises(ShapeError, match="outside"):
-        cpu.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=bad))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_outlier_idx=bad))
+
+
+def test_the_compiled_kernel_names_the_ir_generators_source() -> None:
+    """numba's disk cache follows ``cpu_decode_numba.py`` alone, so that file holds the SHA-256 of the module that
+    generates its integer loops: an edit there must change the digest (which recompiles the kernel), or the
+    cached kernel would keep the old loops. After editing ``cpu_decode_ir.py``, put this digest in
+    ``cpu_decode_numba.IR_SOURCE_DIGEST``."""
+    pytest.importorskip("numba")
+    from kvpack.kernels import cpu_decode_numba
+
+    digest = hashlib.sha256(Path(ir.__file__).read_bytes()).hexdigest()
+    assert cpu_decode_numba.IR_SOURCE_DIGEST == digest, f"set cpu_decode_numba.IR_SOURCE_DIGEST = {digest!r}"
 
 
 def test_integer_loops_are_valid_ir_for_every_isa() -> None:
@@ -364,14 +381,14 @@ def test_integer_loops_are_valid_ir_for_every_isa() -> None:
     The value loop comes twice (one weight group per pass or several), except for 2-bit and fp8 codes."""
     from llvmlite import binding as llvm
 
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     for kind in (nbm.S8, nbm.U8, nbm.U4, nbm.U2, nbm.E4M3, nbm.E5M2):
         for isa in ("vnni", "bw", "generic"):
-            for gen in (nbm._kdot_ir, nbm._vdot_ir):
+            for gen in (ir._kdot_ir, ir._vdot_ir):
                 text = gen(f"kvpack_test_{kind}_{isa}", kind, isa)
                 llvm.parse_assembly(text).verify()
                 one_per_byte = kind in (nbm.S8, nbm.U8, nbm.E4M3, nbm.E5M2)
-                loops = 2 if (gen is nbm._vdot_ir and kind in (nbm.S8, nbm.U8, nbm.U4)) else 1
+                loops = 2 if (gen is ir._vdot_ir and kind in (nbm.S8, nbm.U8, nbm.U4)) else 1
                 assert text.count("call void @llvm.prefetch.p0") == (2 if one_per_byte else 1) * loops
                 assert (", i32 0, i32 3, i32 1)" in text) == one_per_byte
 
@@ -381,7 +398,7 @@ def test_key_loop_scores_match_numpy() -> None:
     head's scale, for the rows asked for and no others, and each head's largest of them."""
     from numba import njit
 
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     u64 = np.uint64
 
     @njit
@@ -409,19 +426,19 @@ def test_key_loop_scores_match_numpy() -> None:
 def test_fp8_table_words_are_the_codes_values_on_a_12_bit_grid(dtype: torch.dtype) -> None:
     """The integer path's fp8 table: every finite code's word times the format's unit is its value within half
     a unit (the grid the tolerance is derived from), signs included; the largest code is the grid's top."""
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     kind = nbm.E4M3 if dtype == torch.float8_e4m3fn else nbm.E5M2
     codes = torch.arange(256, dtype=torch.uint8)
     values = codes.view(dtype).float()
-    table = nbm._lut_table(kind)
-    unit = nbm._FP8_MAX[kind] / nbm._LUT_MAX
+    table = ir._lut_table(kind)
+    unit = ir._FP8_MAX[kind] / ir._LUT_MAX
     assert float(nbm._code_unit(kind)) == pytest.approx(unit, rel=1e-6)  # what the kernel multiplies by
-    assert max(table) == nbm._LUT_MAX and len(table) == 128
+    assert max(table) == ir._LUT_MAX and len(table) == 128
     for c in range(256):
         v = float(values[c])
         if not math.isfinite(v):
             continue
-        assert nbm._fp8_value(kind, c) == v
+        assert ir._fp8_value(kind, c) == v
         word = -table[c & 127] if c & 128 else table[c & 127]
         assert abs(word * unit - v) <= 0.5 * unit * (1 + 1e-6), (c, v, word)
 
@@ -432,7 +449,7 @@ def test_next_block_rows_to_prefetch_into_l1() -> None:
     under 128 bytes."""
     import numpy as np
 
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     tables = np.array([[5, 9, 0, 7]], np.int32)
     kv_heads, h, bs, rs, t = 8, 3, 64, 128, 4
     p = np.zeros(nbm.N_PARAMS, np.int64)

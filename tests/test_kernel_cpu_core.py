@@ -8,7 +8,7 @@ import torch
 
 from kvpack.errors import KVPackError, UnsupportedError
 from kvpack.formats import PRESETS, parse_format
-from kvpack.kernels import backend_reasons, cpu, decode_attention
+from kvpack.kernels import backend_reasons, cpu_decode, decode_attention
 from kvpack.kernels import reference as ref
 from kvpack.kernels.views import PagedKV
 from kvpack.testing import assert_close, cpu_kernel_tolerance, random_paged_kv
@@ -125,7 +125,7 @@ def test_fp16_scale_decoding_is_exact_for_every_half():
     import numpy as np
     from numba import njit
 
-    nb = cpu._nb()
+    nb = cpu_decode._nb()
 
     @njit
     def decode_both(bits, hw, sw):
@@ -155,7 +155,7 @@ def _taker():
     who took each, and spins ``spin[t]`` iterations per item (a core busy elsewhere)."""
     from numba import njit
 
-    take = cpu._nb().take_item
+    take = cpu_decode._nb().take_item
 
     @njit(nogil=True)
     def taker(t, runs, items, who, spin):
@@ -177,9 +177,9 @@ def test_threads_run_every_work_item_exactly_once(threads: int, n: int) -> None:
     taker = _taker()
     for _ in range(20):  # races, if any, show up over repeats
         who = np.zeros(n, np.int64)
-        cpu.run_items(taker, items, threads, (who, np.zeros(threads, np.int64)))
+        cpu_decode.run_items(taker, items, threads, (who, np.zeros(threads, np.int64)))
         assert ((who >= 1) & (who <= threads)).all()  # every item taken, by a real thread
-    runs = cpu.thread_runs(items, threads)
+    runs = cpu_decode.thread_runs(items, threads)
     bounds = [(int(r) & 0xFFFFFFFF, int(r) >> 32) for r in runs]
     assert bounds[0][0] == 0 and bounds[-1][1] == n  # contiguous runs cover all items once
     assert all(bounds[t][1] == bounds[t + 1][0] for t in range(threads - 1))
@@ -187,24 +187,24 @@ def test_threads_run_every_work_item_exactly_once(threads: int, n: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_launch_plan_cuts_the_same_runs_as_the_launcher(threads: int) -> None:
-    nb = cpu._nb()
+    nb = cpu_decode._nb()
     seq_lens = np.array([3000, 17, 900, 64], np.int32)
     tables = np.arange(1, 4 * 60 + 1, dtype=np.int32).reshape(4, 60)
     start = np.array([0, 0, 100, 0], np.int32)
-    err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = nb.launch_plan(
+    err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = nb.prepare_launch(
         seq_lens, tables, start, 700, 64, 2, 1000, 1, 8 * threads, 8, threads, 1, 4, 64
     )
     assert err == 0
-    want_items, want_first = cpu.plan_items(seq_lens, kstart, 700, 64, 2, threads)
+    want_items, want_first = cpu_decode.work_items(seq_lens, kstart, 700, 64, 2, threads)
     assert np.array_equal(items, want_items) and np.array_equal(first, want_first)
-    assert np.array_equal(runs, cpu.thread_runs(items, min(threads, len(items))))
+    assert np.array_equal(runs, cpu_decode.thread_runs(items, min(threads, len(items))))
     assert kstart.tolist() == [1, 0, 100, 1] and sink_len.tolist() == [1, 0, 1, 1]  # sink rows (sealed ones) apart
     assert lo.tolist() == [2300, 0, 200, 0]  # window 700 and start_pos
     assert pm.shape == pl.shape == (len(items), 4) and pacc.shape == (len(items), 4, 64)
 
 
 def test_each_thread_walks_its_own_run_upwards_then_takes_from_the_longest_run() -> None:
-    nb = cpu._nb()
+    nb = cpu_decode._nb()
     runs = np.array([nb.pack_run(0, 3), nb.pack_run(3, 6), nb.pack_run(6, 10)], np.int64)
     take = nb.take_item
     assert [take(runs, 0) for _ in range(3)] == [0, 1, 2]
@@ -219,7 +219,7 @@ def test_an_idle_thread_takes_the_items_of_a_busy_one() -> None:
     items = _items([100] * 32)
     who = np.zeros(32, np.int64)
     spin = np.array([2_000_000, 0], np.int64)  # the calling thread's core is busy elsewhere
-    cpu.run_items(_taker(), items, 2, (who, spin))
+    cpu_decode.run_items(_taker(), items, 2, (who, spin))
     assert (who > 0).all()
     assert (who == 1).sum() < 16 // 2  # its own run was half the items; the other thread took most of it
 
@@ -228,9 +228,9 @@ def test_an_idle_thread_takes_the_items_of_a_busy_one() -> None:
 def test_fine_work_items_continue_or_merge_exactly(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
     """Histories cut into many items: a thread that takes the next item of the same kv head carries its
     softmax state on (the finished item's partial is left empty), items taken by other threads merge."""
-    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 16)
-    monkeypatch.setattr(cpu, "_ITEMS_PER_THREAD", 64)
-    monkeypatch.setattr(cpu, "_SERIAL_BLOCKS", 1)
+    monkeypatch.setattr(cpu_decode, "MIN_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(cpu_decode, "_ITEMS_PER_THREAD", 64)
+    monkeypatch.setattr(cpu_decode, "_SERIAL_BLOCKS", 1)
     fmt = PRESETS["int8"].with_block_size(16)
     kv, _, _ = random_paged_kv(fmt, [1000, 37, 611, 16 * 20], kv_heads=2, head_dim=64, seed=5)
     q = torch.randn(4, 4, 64)
@@ -243,7 +243,7 @@ def test_fine_work_items_continue_or_merge_exactly(monkeypatch: pytest.MonkeyPat
     finally:
         torch.set_num_threads(old)
     seq_lens = kv.seq_lens.numpy()
-    items, _ = cpu.plan_items(seq_lens, np.zeros(4, np.int32), -1, 16, 2, threads)
+    items, _ = cpu_decode.work_items(seq_lens, np.zeros(4, np.int32), -1, 16, 2, threads)
     assert len(items) > 4 * 2 * 4  # several items per kv head: continuation is exercised
 
 
@@ -252,19 +252,19 @@ def test_prefetch_distance_changes_nothing_but_timing(name: str) -> None:
     """The far prefetch distance (a spec's P_FAR) only moves prefetches: every distance, none included, gives
     bit-identical outputs, also where the distance runs past a sequence's last block. One thread, so the
     partials merge in the same order every call."""
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(16), [300, 17, 16 * 9], kv_heads=2, head_dim=128, seed=9)
     q = torch.randn(3, 8, 128)
-    state = cpu._prepare(kv)
+    state = cpu_decode._prepare(kv)
     outs = []
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for far in (cpu.FAR_BLOCKS, 0, 1, 5, 40):
+        for far in (cpu_decode.FAR_BLOCKS, 0, 1, 5, 40):
             state.kp[nbm.P_FAR] = state.vp[nbm.P_FAR] = far
             outs.append(decode_attention(q, kv, backend="cpu", out=torch.full_like(q, float("nan"))))
     finally:
-        state.kp[nbm.P_FAR] = state.vp[nbm.P_FAR] = cpu.FAR_BLOCKS
+        state.kp[nbm.P_FAR] = state.vp[nbm.P_FAR] = cpu_decode.FAR_BLOCKS
         torch.set_num_threads(old)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
@@ -278,7 +278,7 @@ def test_prefetch_distance_changes_nothing_but_timing(name: str) -> None:
 def test_runs_of_blocks_match_one_block_at_a_time(
     monkeypatch: pytest.MonkeyPatch, name: str, block: int, group: int, head_dim: int
 ) -> None:
-    """Runs of blocks attended with one softmax step (``cpu_numba._attend_multi``) give the one-block path's
+    """Runs of blocks attended with one softmax step (``cpu_decode_numba._attend_multi``) give the one-block path's
     results up to rounding, since each block keeps its own int16 weight bound: float rounding for int8 and 2-bit,
     and for asymmetric int4 keys with int4 group values a few int16 weight roundings that float32 association
     flips (the two paths compute ``p`` as ``s + (kc - m)`` and ``(s + kc) - m``): 7.7e-5 at most on an AVX-512
@@ -287,21 +287,21 @@ def test_runs_of_blocks_match_one_block_at_a_time(
     sink row start runs with their first rows masked (whose per-token value scales, k8v4's, must not bound the
     run's int16 weights: they did, 1.3e-4 off); small work items on two threads cut runs at item
     boundaries; padded heads (group 3, 1) and head_dim 64-256 change the scratch shapes."""
-    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 4 * block)
-    monkeypatch.setattr(cpu, "_SERIAL_BLOCKS", 1)
-    nbm = cpu._nb()
+    monkeypatch.setattr(cpu_decode, "MIN_CHUNK_TOKENS", 4 * block)
+    monkeypatch.setattr(cpu_decode, "_SERIAL_BLOCKS", 1)
+    nbm = cpu_decode._nb()
     lens = [block * 21 + 5, 3 * block, block + 1, 1]
     kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(block), lens, kv_heads=2, head_dim=head_dim, seed=11)
     q = torch.randn(len(lens), 2 * group, head_dim)
-    state = cpu._prepare(kv)
+    state = cpu_decode._prepare(kv)
     runs = int(state.kp[nbm.P_MULTI])
-    assert runs == cpu.MULTI_TOKENS // block and nbm._multi_eligible(state.kp, state.vp)  # the case takes runs
+    assert runs == cpu_decode.MULTI_TOKENS // block and nbm._multi_eligible(state.kp, state.vp)  # the case takes runs
     padded = PagedKV(**{**kv.__dict__, "start_pos": torch.tensor([block + 3, 0, 2, 0], dtype=torch.int32)})
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for view, window in ((kv, None), (kv, 5 * block + 3), (padded, None)):
-            pstate = cpu._prepare(view)
+            pstate = cpu_decode._prepare(view)
             outs = []
             for m in (runs, 3, 1):
                 pstate.kp[nbm.P_MULTI] = m
@@ -320,8 +320,8 @@ def test_runs_of_blocks_match_one_block_at_a_time(
 
 
 def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu, "MIN_CHUNK_TOKENS", 16)
-    nb = cpu._nb()
+    monkeypatch.setattr(cpu_decode, "MIN_CHUNK_TOKENS", 16)
+    nb = cpu_decode._nb()
     seen = {}
     real = nb.merge
 
@@ -334,7 +334,7 @@ def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPat
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        monkeypatch.setattr(cpu, "_ITEMS_PER_THREAD", 16)
+        monkeypatch.setattr(cpu_decode, "_ITEMS_PER_THREAD", 16)
         _run(kv, torch.randn(1, 2, 64))
     finally:
         torch.set_num_threads(old)
@@ -370,10 +370,12 @@ def test_view_state_follows_the_integer_path_switch(monkeypatch: pytest.MonkeyPa
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [70, 33], kv_heads=2, head_dim=64, seed=8)
     q = torch.randn(2, 4, 64)
     for forced in (False, True, False):
-        monkeypatch.setattr(cpu, "INT_DOT", forced)
+        monkeypatch.setattr(cpu_decode, "INT_DOT", forced)
         got, expected = _run(kv, q)
         assert_close(got, expected, *_tol(kv), f"INT_DOT={forced}")
-        assert (cpu._entry(kv).kp[cpu._nb().P_DOT] > 0) == (forced and cpu.int_dot_isa() is not None)
+        assert (cpu_decode._entry(kv).kp[cpu_decode._nb().P_DOT] > 0) == (
+            forced and cpu_decode.int_dot_isa() is not None
+        )
 
 
 def test_a_bad_view_is_refused_on_every_call_and_its_state_goes_with_it() -> None:
@@ -385,15 +387,15 @@ def test_a_bad_view_is_refused_on_every_call_and_its_state_goes_with_it() -> Non
     q = torch.randn(1, 4, 64)
     for _ in range(2):  # a failed check leaves nothing that lets the next call through
         with pytest.raises(KVPackError, match="tails must be"):
-            cpu.decode_attention(q, bad)
+            cpu_decode.decode_attention(q, bad)
     gc.collect()  # views of earlier tests that are garbage already leave the count now, not below
-    before = len(cpu._states)
+    before = len(cpu_decode._states)
     probe = dataclasses.replace(kv)
-    cpu.decode_attention(q, probe)
-    assert len(cpu._states) == before + 1
+    cpu_decode.decode_attention(q, probe)
+    assert len(cpu_decode._states) == before + 1
     del probe
     gc.collect()
-    assert len(cpu._states) == before  # dropped with its view: no pools kept alive
+    assert len(cpu_decode._states) == before  # dropped with its view: no pools kept alive
 
 
 def test_non_contiguous_tensors_are_read_afresh_every_call() -> None:

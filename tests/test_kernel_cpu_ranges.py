@@ -4,7 +4,7 @@ The integer path rounds the key-scale-folded query and the attention weights (``
 largest magnitude per block, and reads fp8 codes through a 12-bit table scaled to the format's largest value.
 One huge key (a per-channel scale 1e5 times the others) or tiny fp8 data under a clamped scale left the other
 elements a bit or two: errors of 0.1-1.0 where the reference had 0.01-0.06. Such blocks take the float path
-(``cpu._int_dot_guards``). Every case is measured against float64 attention over the unquantized keys and values
+(``cpu_decode._int_dot_guards``). Every case is measured against float64 attention over the unquantized keys and values
 and the CPU kernel is held to the reference's own error: ``cpu <= 1.5 * reference + 1e-3``, on both dot paths.
 """
 
@@ -18,7 +18,7 @@ import torch
 import kvpack.kernels as K
 from kvpack.cache import PagedKVCache
 from kvpack.formats import parse_format
-from kvpack.kernels import cpu
+from kvpack.kernels import cpu_decode
 
 H, HQ, D, B = 2, 8, 128, 64
 N = 3 * B + 5  # three sealed blocks and a tail
@@ -27,7 +27,7 @@ FP16_MAX = 65504.0
 
 @pytest.fixture(params=["int", "float"])
 def dot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(cpu, "INT_DOT", request.param == "int")
+    monkeypatch.setattr(cpu_decode, "INT_DOT", request.param == "int")
     return request.param
 
 

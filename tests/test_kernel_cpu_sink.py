@@ -15,7 +15,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import parse_format
-from kvpack.kernels import cpu, decode_attention
+from kvpack.kernels import cpu_decode, decode_attention
 from kvpack.testing import INT_PATH_TOL, assert_close, cpu_kernel_tolerance, random_paged_kv, sink_attention_oracle
 
 pytest.importorskip("numba")
@@ -30,7 +30,7 @@ def _tol(kv) -> tuple[float, float]:
 
 @pytest.fixture(params=["int", "float"])
 def path(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(cpu, "INT_DOT", request.param == "int")
+    monkeypatch.setattr(cpu_decode, "INT_DOT", request.param == "int")
     return request.param
 
 
@@ -84,8 +84,8 @@ def test_bad_sink_rows_are_refused() -> None:
     q = torch.randn(1, 2, 64)
     good = _with_sink(kv, 2)
     with pytest.raises(ShapeError, match="sink_k and sink_v"):
-        cpu.decode_attention(q, dataclasses.replace(good, sink_v=None))
+        cpu_decode.decode_attention(q, dataclasses.replace(good, sink_v=None))
     with pytest.raises(ShapeError, match="S <= block_size"):
-        cpu.decode_attention(q, _with_sink(kv, 17))
+        cpu_decode.decode_attention(q, _with_sink(kv, 17))
     with pytest.raises(ShapeError, match="the tail dtype"):
-        cpu.decode_attention(q, dataclasses.replace(good, sink_k=good.sink_k.half(), sink_v=good.sink_v.half()))
+        cpu_decode.decode_attention(q, dataclasses.replace(good, sink_k=good.sink_k.half(), sink_v=good.sink_v.half()))

@@ -17,7 +17,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import PRESETS
-from kvpack.kernels import cpu, decode_attention
+from kvpack.kernels import cpu_decode, decode_attention
 from kvpack.kernels.views import PagedKV
 from kvpack.testing import assert_bitexact, assert_close, cpu_kernel_tolerance, random_paged_kv
 
@@ -89,7 +89,7 @@ CASES = [(1, 64, 0), (4, 128, 4), (4, 64, 4), (1, 128, 0)]  # (GQA group, head_d
 def test_strided_pools_match_contiguous_and_reference(
     monkeypatch: pytest.MonkeyPatch, name: str, group: int, head_dim: int, sink: int, int_dot: bool
 ) -> None:
-    monkeypatch.setattr(cpu, "INT_DOT", int_dot)  # restored after the test
+    monkeypatch.setattr(cpu_decode, "INT_DOT", int_dot)  # restored after the test
     sink = 0 if PRESETS[name].is_passthrough else sink  # a full-precision format keeps no sink
     fmt = PRESETS[name].with_block_size(16).with_sink(sink)
     lens = [16 * 5 + 7, 33, 16, 3]  # histories ending inside a block, on a block boundary, before one
@@ -109,9 +109,9 @@ def test_strided_views_are_kept_and_read_in_place() -> None:
     kv, _, _ = random_paged_kv(PRESETS["k8v4"].with_block_size(16), [50, 23], kv_heads=2, head_dim=64, seed=4)
     strided, buf = _strided(kv, tails=False)
     q = torch.randn(2, 4, 64)
-    first = cpu.decode_attention(q, strided)
-    state = cpu._prepare(strided)
-    nbm = cpu._nb()
+    first = cpu_decode.decode_attention(q, strided)
+    state = cpu_decode._prepare(strided)
+    nbm = cpu_decode._nb()
     page = buf.shape[1]
     assert state.kp[nbm.P_BST] == page and state.kp[nbm.P_SBST] == page // 2  # int8 codes, fp16 scales
     assert state.vp[nbm.P_BST] == page and state.vp[nbm.P_ZBST] == page // 2
@@ -124,21 +124,23 @@ def test_strided_views_are_kept_and_read_in_place() -> None:
     row0 = int(strided.block_tables[0, 0])
     strided.v_scale[row0].mul_(2.0)
     kv.v_scale[row0].mul_(2.0)
-    again = cpu.decode_attention(q, strided)
+    again = cpu_decode.decode_attention(q, strided)
     assert not torch.equal(first, again)
-    assert_bitexact(again, cpu.decode_attention(q, kv), "after an in-place change")
+    assert_bitexact(again, cpu_decode.decode_attention(q, kv), "after an in-place change")
 
 
 def test_strided_tails_are_read_in_place() -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [50, 23], kv_heads=2, head_dim=64, seed=5)
     strided, _ = _strided(kv)
     q = torch.randn(2, 4, 64)
-    cpu.decode_attention(q, strided)
-    state = cpu._prepare(strided)
-    assert state.tails is not None and state.tpk[cpu._nb().P_BST] == strided.tail_k.stride(0) > 2 * 16 * 64
+    cpu_decode.decode_attention(q, strided)
+    state = cpu_decode._prepare(strided)
+    assert state.tails is not None and state.tpk[cpu_decode._nb().P_BST] == strided.tail_k.stride(0) > 2 * 16 * 64
     strided.tail_k.mul_(-1.0)
     kv.tail_k.mul_(-1.0)
-    assert_bitexact(cpu.decode_attention(q, strided), cpu.decode_attention(q, kv), "tails changed in place")
+    assert_bitexact(
+        cpu_decode.decode_attention(q, strided), cpu_decode.decode_attention(q, kv), "tails changed in place"
+    )
 
 
 def _with(kv: PagedKV, **pools: torch.Tensor) -> PagedKV:
@@ -153,18 +155,20 @@ def test_pools_the_kernel_cannot_read_in_place_are_refused() -> None:
     wide = torch.zeros(nb, 2, 16, 128, dtype=kv.k_data.dtype)
     wide[..., :64] = kv.k_data
     with pytest.raises(ShapeError, match=r"key payload .*not contiguous within a block"):
-        cpu.decode_attention(q, _with(kv, k_data=wide[..., :64]))
+        cpu_decode.decode_attention(q, _with(kv, k_data=wide[..., :64]))
     # blocks that overlap: stride(0) smaller than a block
     flat = kv.v_scale.reshape(-1)
     inner = kv.v_scale[0].numel()
     overlap = flat.as_strided(kv.v_scale.shape, (inner // 2, *kv.v_scale.stride()[1:]))
     with pytest.raises(ShapeError, match=r"value scale .*overlap"):
-        cpu.decode_attention(q, _with(kv, v_scale=overlap))
+        cpu_decode.decode_attention(q, _with(kv, v_scale=overlap))
     # a zero-point pool laid out on its own stride is fine (it takes its own block stride)
     zpad = torch.full((nb, kv.v_zero[0].numel() + 8), float("nan"), dtype=kv.v_zero.dtype)
     zview = zpad[:, : kv.v_zero[0].numel()].view(kv.v_zero.shape)
     zview.copy_(kv.v_zero)
-    assert_bitexact(cpu.decode_attention(q, _with(kv, v_zero=zview)), cpu.decode_attention(q, kv), "zero stride")
+    assert_bitexact(
+        cpu_decode.decode_attention(q, _with(kv, v_zero=zview)), cpu_decode.decode_attention(q, kv), "zero stride"
+    )
 
 
 def test_strided_outlier_pools_are_refused() -> None:
@@ -175,4 +179,4 @@ def test_strided_outlier_pools_are_refused() -> None:
     view = big[:, : kv.k_outlier[0].numel()].view(kv.k_outlier.shape)
     view.copy_(kv.k_outlier)
     with pytest.raises(ShapeError, match="k_outlier must be contiguous"):
-        cpu.decode_attention(q, _with(kv, k_outlier=view))
+        cpu_decode.decode_attention(q, _with(kv, k_outlier=view))

@@ -246,7 +246,7 @@ for name, qdt, sink in [(n, t, 0) for n, t in cases] + [("fp8-o4", torch.float16
         kv = replace(kv, sink_k=rows, sink_v=rows.clone())
         name = f"{name} sink={sink}"
     q = torch.randn(2, 32, 128, dtype=qdt)
-    for launch in td.plan(q, kv, num_splits=2)[0]:
+    for launch in td.build_launches(q, kv, num_splits=2)[0]:
         out.append({"case": name, **td.compile_launch(launch)})
 for name in ("int4", "fp8-plain"):
     spec = parse_format(name).value
@@ -305,7 +305,7 @@ def test_codes_are_converted_in_the_load_layout_on_hopper():
         "from kvpack.testing import random_paged_kv; "
         "kv = random_paged_kv(parse_format('fp8-o4'), [300, 70], kv_heads=8, head_dim=128, "
         "tail_dtype=torch.float16)[0]; "
-        "capped = td.compile_launch(td.plan(torch.randn(2, 32, 128, dtype=torch.float16), kv, num_splits=2, "
+        "capped = td.compile_launch(td.build_launches(torch.randn(2, 32, 128, dtype=torch.float16), kv, num_splits=2, "
         "max_registers=128)[0][0]); capped.pop('loop_ops'); print(json.dumps(capped)); "
         "print(json.dumps([gpu_sass.loop_row(f, c, __import__('torch').float16) for f, c in "
         "[('int8', 'ptx'), ('int8', 'convert'), ('fp8-plain', 'ptx'), ('int4', 'ptx'), ('kivi2', 'ptx')]]))"

@@ -287,7 +287,7 @@ def test_the_launch_reads_only_the_inputs_and_writes_only_the_output():
     # never a dequantized history or scratch: every tensor argument is q, a tensor of the view, or the output
     kv = _cache("kivi2", [70, 23], kv_heads=2)
     q = torch.randn(2, 7, 8, 64).half()
-    launch, result = tc.plan(q, kv)
+    launch, result = tc.build_launch(q, kv)
     known = {q.data_ptr(), result.data_ptr()}
     known |= {getattr(kv, f.name).data_ptr() for f in kv.__dataclass_fields__.values()
               if isinstance(getattr(kv, f.name), torch.Tensor)}  # fmt: skip
@@ -348,7 +348,7 @@ for name, qdt, d, sink in cases:
         rows = torch.randn(2, 8, sink, d, dtype=qdt)
         kv = replace(kv, sink_k=rows, sink_v=rows.clone())
     q = torch.randn(2, 128, 32, d, dtype=qdt)
-    out.append({"case": f"{name} D={d} sink={sink}", **td.compile_launch(tc.plan(q, kv, window=200)[0])})
+    out.append({"case": f"{name} D={d} sink={sink}", **td.compile_launch(tc.build_launch(q, kv, window=200)[0])})
 print(json.dumps(out))
 """
 

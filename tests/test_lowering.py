@@ -30,7 +30,7 @@ def test_lowering_is_pure_python() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("module", ["cpu_numba", "cpu_chunk_numba"])
+@pytest.mark.parametrize("module", ["cpu_decode_numba", "cpu_chunk_numba"])
 def test_numba_literals_equal_the_enums(module: str) -> None:
     pytest.importorskip("numba")
     import importlib

@@ -433,7 +433,7 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
     import kvpack.hf
     from kvpack.evaluation.simulate import SimulatedCache
     from kvpack.integrations import hf_attention as hfa
-    from kvpack.kernels import cpu
+    from kvpack.kernels import cpu_decode
 
     model = tiny_llama
     g = torch.Generator().manual_seed(4)
@@ -448,7 +448,7 @@ def test_hf_generation_equals_the_simulated_reconstruction(tiny_llama, monkeypat
     monkeypatch.setattr(kernels, "_warned", set())
     # the float path, whose values are the reconstruction's exactly; the integer path's fp8 rounding is bounded
     # against the reference in tests/test_kernel_cpu.py, this test is about the cache feeding the kernel
-    monkeypatch.setattr(cpu, "INT_DOT", False)
+    monkeypatch.setattr(cpu_decode, "INT_DOT", False)
     # and the exact chunk path (the fused chunk kernel rounds weights and values to bf16, 2e-3 here: the size of
     # the residuals' effect this test measures; its own accuracy is bounded in tests/test_kernel_cpu_chunk.py)
     monkeypatch.setattr(hfa, "_chunk_backend", lambda *a: None)

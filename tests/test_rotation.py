@@ -156,10 +156,10 @@ def _check_backend(backend: str, q: torch.Tensor, kv, expected: torch.Tensor) ->
             got, expected, *((2e-5, 1e-4) if backend == "reference" else cpu_kernel_tolerance(kv, (2e-5, 1e-4)))
         )
         if backend == "cpu":
-            from kvpack.kernels import cpu
+            from kvpack.kernels import cpu_decode
 
             with pytest.raises(UnsupportedError, match="rotated"):
-                cpu.decode_attention(q, kv)
+                cpu_decode.decode_attention(q, kv)
 
 
 def test_cache_stores_rotated_keys_and_gives_back_natural_ones():

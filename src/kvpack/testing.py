@@ -83,12 +83,12 @@ def cpu_kernel_tolerance(kv: PagedKV, base: tuple[float, float] = FLOAT_PATH_TOL
     """``(atol, rtol)`` for the CPU kernel on ``kv`` against the reference, on the path it takes here: ``base``
     (the float path; pass a wider one for half-precision queries), widened to :data:`INT_PATH_TOL` when the
     integer path reads integer codes, or to :data:`FP8_INT_PATH_TOL` when it reads fp8 codes."""
-    from kvpack.kernels import cpu
+    from kvpack.kernels import cpu_decode
 
-    nbm = cpu._nb()
+    nbm = cpu_decode._nb()
     wide = None
     for spec, data, role in ((kv.format.key, kv.k_data, "key"), (kv.format.value, kv.v_data, "value")):
-        p = cpu._params(spec, kv, data, role)
+        p = cpu_decode._params(spec, kv, data, role)
         if p[nbm.P_DOT]:
             fp8 = p[nbm.P_KIND] in (nbm.E4M3, nbm.E5M2)
             wide = FP8_INT_PATH_TOL if fp8 or wide == FP8_INT_PATH_TOL else INT_PATH_TOL

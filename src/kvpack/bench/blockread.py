@@ -5,9 +5,9 @@ prefetchers follow at full speed. A decode kernel cannot read like that: it read
 in block-table order, one kv head at a time, and block ids are arbitrary (a fragmented pool), so every
 ``block_size`` rows of a head (8 KiB for int8 at head_dim 128) start at an address nothing can guess.
 This probe does exactly the kernel's reads and nothing else: the same work items and threads
-(:func:`kvpack.kernels.cpu.plan_items`, :func:`kvpack.kernels.cpu.run_items`), in the kernel's order (keys
+(:func:`kvpack.kernels.cpu_decode.work_items`, :func:`kvpack.kernels.cpu_decode.run_items`), in the kernel's order (keys
 then values of each block, or, where the kernel attends runs of blocks, the keys of a run's blocks then
-their values), one load per 64-byte line, the same software prefetching (the block ``cpu.FAR_BLOCKS``
+their values), one load per 64-byte line, the same software prefetching (the block ``cpu_decode.FAR_BLOCKS``
 ahead, the block after next, into L2, and for rows of 128 bytes or more the next block into L1), no
 arithmetic. Its time is what a kernel with free compute would take on this cache, so ``probe ms / kernel
 ms`` says how much of the reachable memory speed the kernel uses. Scales and the full-precision tail (1-3%
@@ -23,7 +23,7 @@ import torch
 from numba import njit
 
 from kvpack.errors import UnsupportedError
-from kvpack.kernels.cpu_numba import _prefetch, _prefetch_l1, take_item
+from kvpack.kernels.cpu_decode_numba import _prefetch, _prefetch_l1, take_item
 from kvpack.kernels.views import PagedKV
 
 __all__ = ["BlockRead", "measure_block_read", "read_items"]
@@ -49,7 +49,7 @@ def _read_rows(p8, p64, rs, idx, far, near, h, kv_heads, bs, acc):  # pragma: no
     return acc
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)  # not cached on disk: it compiles in take_item and the prefetch intrinsics of another file
 def read_items(
     t, runs, items, k8, k64, v8, v64, tables, seq_lens, kv_heads, bs, krow, vrow, far_blocks, run, out
 ):  # pragma: no cover
@@ -57,11 +57,11 @@ def read_items(
     kernel reads them; ``out[it]`` gets the XOR of every 64-bit word read (the first word of each 64-byte
     line), so nothing can be skipped.
 
-    items: ``[n, 5]`` int64 from ``plan`` (row, head, first block, end block, tail); runs: from
+    items: ``[n, 5]`` int64 from ``work_items`` (row, head, first block, end block, tail); runs: from
     ``thread_runs``; k8/v8: the key and value pools as flat uint8, k64/v64 the same bytes as uint64;
     tables: ``[batch, max_blocks]`` int32; seq_lens: ``[batch]`` int32 (prefetches run on to the row's last
     sealed block, as the kernel's do); krow/vrow: payload bytes per row; far_blocks: how far ahead the L2
-    prefetch runs (``cpu.FAR_BLOCKS``, 0 for none); run: blocks the kernel attends per softmax step (a key
+    prefetch runs (``cpu_decode.FAR_BLOCKS``, 0 for none); run: blocks the kernel attends per softmax step (a key
     spec's ``P_MULTI`` where it takes runs, else 1): the keys of a run's blocks are read, then their values;
     out: ``[n]`` uint64.
     """
@@ -92,7 +92,7 @@ class BlockRead:
     """The probe for one cache: build once, :meth:`run` as often as needed."""
 
     def __init__(self, kv: PagedKV, threads: int | None = None) -> None:
-        from kvpack.kernels import cpu
+        from kvpack.kernels import cpu_decode
 
         if kv.k_data.device.type != "cpu":
             raise UnsupportedError(f"the block-read probe reads CPU pools; this cache is on {kv.k_data.device}")
@@ -101,23 +101,23 @@ class BlockRead:
         tables = kv.block_tables.contiguous().numpy()
         seq_lens = kv.seq_lens.contiguous().numpy()
         start = np.zeros(kv.batch, np.int32) if kv.start_pos is None else kv.start_pos.contiguous().numpy()
-        self.items, _ = cpu.plan_items(seq_lens, start, -1, kv.block_size, kv.kv_heads, self.threads)
+        self.items, _ = cpu_decode.work_items(seq_lens, start, -1, kv.block_size, kv.kv_heads, self.threads)
         k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)
-        state = cpu._prepare(kv)  # the kernel's specs: whether it attends runs of blocks, and how long
-        multi = cpu._nb()._multi_eligible(state.kp, state.vp)
-        self.blocks_per_run = int(state.kp[cpu._nb().P_MULTI]) if multi else 1
+        state = cpu_decode._prepare(kv)  # the kernel's specs: whether it attends runs of blocks, and how long
+        multi = cpu_decode._nb()._multi_eligible(state.kp, state.vp)
+        self.blocks_per_run = int(state.kp[cpu_decode._nb().P_MULTI]) if multi else 1
         self.args = (k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, seq_lens, kv.kv_heads, kv.block_size, krow,
-                     vrow, cpu.FAR_BLOCKS, self.blocks_per_run, self.out)  # fmt: skip
+                     vrow, cpu_decode.FAR_BLOCKS, self.blocks_per_run, self.out)  # fmt: skip
         blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))
         self.nbytes = blocks * kv.block_size * (krow + vrow)
 
     def run(self) -> np.ndarray:
         """One pass over the payload; returns the per-item XOR words (``[n_items]`` uint64)."""
-        from kvpack.kernels import cpu
+        from kvpack.kernels import cpu_decode
 
-        cpu.run_items(read_items, self.items, self.threads, self.args)
+        cpu_decode.run_items(read_items, self.items, self.threads, self.args)
         return self.out
 
 

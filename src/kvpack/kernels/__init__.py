@@ -60,7 +60,7 @@ BACKENDS: dict[str, DecodeBackend] = {
         "kvpack.kernels.reference",
     ),
     # outlier residuals are added to the scores in the kernel; sink rows attended in its merge
-    "cpu": ModuleBackend("cpu", _FUSED, "kvpack.kernels.cpu", "kvpack.kernels.cpu_chunk", extra="cpu"),
+    "cpu": ModuleBackend("cpu", _FUSED, "kvpack.kernels.cpu_decode", "kvpack.kernels.cpu_chunk", extra="cpu"),
     # outlier residuals and sink rows (replacing their sealed rows) inside the kernels
     "triton": ModuleBackend(
         "triton", _FUSED, "kvpack.kernels.triton_decode", "kvpack.kernels.triton_chunk", extra="triton"

@@ -3,7 +3,7 @@ document, prefix-cache hits, draft verification) over the paged cache, without d
 
 The compiled loops live in :mod:`kvpack.kernels.cpu_chunk_numba` (imported on first use, so ``import kvpack``
 never pulls in numba). The view is checked and turned into numba arguments by the decode backend's
-preparation (:mod:`kvpack.kernels.cpu`: the same checks, spec vectors, block-strided pools read in place,
+preparation (:mod:`kvpack.kernels.cpu_decode`: the same checks, spec vectors, block-strided pools read in place,
 outlier pools), so both backends accept exactly the same views. Every format the decode backend takes is
 covered, on one float path (bfloat16 products with float32 sums, on the AMX tile unit where the CPU has one,
 see the numba module); there is no integer path here.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvpack.errors import ShapeError
-from kvpack.kernels import cpu
+from kvpack.kernels import cpu_decode
 from kvpack.kernels.views import PagedKV, refuse_rotated
 
 __all__ = [
@@ -44,7 +44,7 @@ STEP_TOKENS = 256
 
 @lru_cache(maxsize=1)
 def _nb() -> Any:
-    cpu.passive_pool()
+    cpu_decode.passive_pool()
     from kvpack.kernels import cpu_chunk_numba
 
     return cpu_chunk_numba
@@ -52,8 +52,8 @@ def _nb() -> Any:
 
 def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None) -> list[str]:
     """Why the CPU chunk kernel cannot run this case (empty list: it can): those of the decode backend
-    (:func:`kvpack.kernels.cpu.reasons_unsupported`: numba, devices, dtypes, packed int4/int2 layouts)."""
-    reasons = cpu.reasons_unsupported(q, kv, window)
+    (:func:`kvpack.kernels.cpu_decode.reasons_unsupported`: numba, devices, dtypes, packed int4/int2 layouts)."""
+    reasons = cpu_decode.reasons_unsupported(q, kv, window)
     if not reasons:
         nbm = _nb()
         if nbm.target_has_amx() and not nbm.amx_permitted():
@@ -65,10 +65,10 @@ def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None)
 
 
 def spec_vector(p: np.ndarray) -> np.ndarray:
-    """The chunk kernel's spec vector (``cpu_chunk_numba.C_*``) from the decode kernel's (``cpu_numba.P_*``). Both
+    """The chunk kernel's spec vector (``cpu_chunk_numba.C_*``) from the decode kernel's (``cpu_decode_numba.P_*``). Both
     kernels use :mod:`kvpack.kernels.lowering`'s codes (checked by ``tests/test_lowering.py``), so the fields are
     copied as they are."""
-    d, c = cpu._nb(), _nb()
+    d, c = cpu_decode._nb(), _nb()
     out = np.zeros(c.N_SPEC, np.int64)
     for src, dst in ((d.P_KIND, c.C_KIND), (d.P_FK, c.C_FK), (d.P_SKIND, c.C_SKIND), (d.P_ZKIND, c.C_ZKIND),
                      (d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
@@ -156,18 +156,18 @@ def chunk_attention(
         UnsupportedError: a view of rotated keys: go through :func:`kvpack.kernels.chunk_attention`.
     """
     refuse_rotated(kv)
-    prep = cpu._prepare(kv)
+    prep = cpu_decode._prepare(kv)
     _check_call(q, kv, out)
     _check_contents(kv, q.shape[1])
     if kv.k_outlier is not None:
-        cpu._check_outlier_channels(kv)
+        cpu_decode._check_outlier_channels(kv)
     nbm = _nb()
     d = kv.head_dim
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     qf = q.detach().float().contiguous().numpy()
     q_lo = q.dtype != torch.bfloat16  # a bfloat16 query is its own high part: its scores need no low part
     ks, kz, vs, vz, ko, ki = (
-        v if v is not None else cpu._views(t)
+        v if v is not None else cpu_decode._views(t)
         for v, t in zip(prep.views, (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier, kv.k_outlier_idx))
     )
     tables = prep.tables if prep.tables is not None else kv.block_tables.contiguous().numpy()
@@ -183,8 +183,8 @@ def chunk_attention(
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
     _set_threads()
     nbm.chunk(
-        qf, prep.k_data or cpu._views(kv.k_data), ks, kz, spec_vector(prep.kp),
-        prep.v_data or cpu._views(kv.v_data), vs, vz, spec_vector(prep.vp), ko, ki, tk, tv, sk, sv,
+        qf, prep.k_data or cpu_decode._views(kv.k_data), ks, kz, spec_vector(prep.kp),
+        prep.v_data or cpu_decode._views(kv.v_data), vs, vz, spec_vector(prep.vp), ko, ki, tk, tv, sk, sv,
         tables, seq_lens, start, -1 if window is None else int(window), group, np.float32(sm * _LOG2E), q_lo, ROWS_PER_TILE,
         _step_blocks(kv.block_size), res,
     )  # fmt: skip

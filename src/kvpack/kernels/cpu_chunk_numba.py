@@ -20,7 +20,7 @@ attention weights and the values are rounded to bfloat16 once (relative 2**-9 pe
 are taken over the rounded weights, so a weight's rounding cancels where one position dominates).
 
 This module is self-contained on purpose (the decoders here are small copies of ideas in
-:mod:`kvpack.kernels.cpu_numba`, not imports): numba's disk cache is invalidated by the source file of the
+:mod:`kvpack.kernels.cpu_decode_numba`, not imports): numba's disk cache is invalidated by the source file of the
 cached function only, so compiled helpers imported from another file could be served stale. Its spec vector
 (``C_*``) is built by the launcher from the decode kernel's (:func:`kvpack.kernels.cpu_chunk.spec_vector`).
 """

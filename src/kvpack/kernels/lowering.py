@@ -1,6 +1,6 @@
 """One lowering of a :class:`~kvpack.formats.QuantSpec` to the integer codes every kernel backend uses.
 
-The CPU kernels (:mod:`kvpack.kernels.cpu_numba`, :mod:`kvpack.kernels.cpu_chunk_numba`) and the Triton kernels
+The CPU kernels (:mod:`kvpack.kernels.cpu_decode_numba`, :mod:`kvpack.kernels.cpu_chunk_numba`) and the Triton kernels
 (:mod:`kvpack.kernels.triton_kernels`) compare these codes as compile-time constants. The numba modules keep
 literal copies of the enums (numba folds module-level ints, not enum members); ``tests/test_lowering.py`` checks
 that they equal these. Pure Python: importing it pulls in neither numba, triton nor torch's CUDA.

@@ -25,10 +25,10 @@ from kvpack.kernels import triton_decode as td
 from kvpack.kernels.views import PagedKV, refuse_rotated
 
 __all__ = [
+    "build_launch",
     "chunk_attention",
     "default_block_m",
     "launch_config",
-    "plan",
     "reasons_unsupported",
 ]
 
@@ -74,7 +74,7 @@ def _check(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
     td.check_out(q, out)
 
 
-def plan(
+def build_launch(
     q: torch.Tensor,
     kv: PagedKV,
     sm_scale: float | None = None,
@@ -166,7 +166,7 @@ def chunk_attention(
     if q.dim() == 4 and q.shape[1] == 0:
         _check(q, kv, out)
         return torch.empty_like(q) if out is None else out
-    launch, result = plan(
+    launch, result = build_launch(
         q, kv, sm_scale, window, out, block_m=block_m, num_warps=num_warps, num_stages=num_stages, codes=codes
     )
     launch.run()

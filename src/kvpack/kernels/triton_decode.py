@@ -29,6 +29,7 @@ from kvpack.kernels.views import ROLES, PagedKV, Role, refuse_rotated
 
 __all__ = [
     "Launch",
+    "build_launches",
     "cache_args",
     "cache_constexprs",
     "check_cache",
@@ -38,7 +39,6 @@ __all__ = [
     "decode_attention",
     "default_num_splits",
     "launch_config",
-    "plan",
     "reasons_unsupported",
     "spec_constants",
 ]
@@ -358,7 +358,7 @@ class Launch:
         return self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
 
 
-def plan(
+def build_launches(
     q: torch.Tensor,
     kv: PagedKV,
     sm_scale: float | None = None,
@@ -373,7 +373,7 @@ def plan(
 ) -> tuple[list[Launch], torch.Tensor]:
     """Check the case and build the launches (decode, then the merge when split) and the output tensor.
 
-    Arguments as :func:`decode_attention`. Nothing runs; :func:`compile_for_gpu` uses the same plan.
+    Arguments as :func:`decode_attention`. Nothing runs; :func:`compile_for_gpu` builds the same launches.
     """
     _check(q, kv, out)
     k = _kernels()
@@ -536,7 +536,7 @@ def decode_attention(
     reasons = reasons_unsupported(q, kv, window)
     if reasons:
         raise UnsupportedError("the triton backend cannot run this case: " + "; ".join(reasons), reasons)
-    launches, result = plan(
+    launches, result = build_launches(
         q,
         kv,
         sm_scale,

@@ -9,7 +9,7 @@ A pool may be strided along its block axis: contiguous within a block (``pool[n]
 elements apart, at least a block's size, so the pools can be views into one page per block that holds all of
 them (vLLM's layout: ``k_data``, ``k_scale``, ... at their own byte offsets in the page, ``stride(0)`` = the
 page size in each pool's elements). Every backend reads such pools in place; the CPU kernel refuses other
-layouts (:mod:`kvpack.kernels.cpu`) and outlier pools that are not contiguous.
+layouts (:mod:`kvpack.kernels.cpu_decode`) and outlier pools that are not contiguous.
 
 A sequence of ``seq_len`` tokens has ``seq_len // block_size`` sealed blocks (its first entries of
 ``block_tables``) and ``seq_len % block_size`` tokens in its tail: the tail is sealed the moment it holds

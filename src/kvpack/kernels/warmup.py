@@ -1,6 +1,6 @@
 """The CPU kernels' first compile: tell whether numba's disk cache holds them, and compile them on purpose.
 
-The fused CPU kernels (:mod:`kvpack.kernels.cpu_numba`, :mod:`kvpack.kernels.cpu_chunk_numba`) are numba
+The fused CPU kernels (:mod:`kvpack.kernels.cpu_decode_numba`, :mod:`kvpack.kernels.cpu_chunk_numba`) are numba
 functions cached on disk (``cache=True``): the first run on a machine compiles them (about 80 s on two cores),
 later runs load them in about a second. One compile serves every format (pools arrive as flat typed views and
 the payload kinds are all compiled at once), so a run can compile them up front, where it can say so, instead
@@ -28,7 +28,7 @@ __all__ = ["ENTRIES", "cache_dirs", "cold_entries", "compile_if_cold", "warm_up"
 
 # (module file, compiled entry point): the functions whose first call compiles a kernel (``launch`` is the
 # decode kernel on several threads, ``work`` on one)
-ENTRIES = (("cpu_numba.py", "work"), ("cpu_numba.py", "launch"), ("cpu_chunk_numba.py", "chunk"))
+ENTRIES = (("cpu_decode_numba.py", "work"), ("cpu_decode_numba.py", "launch"), ("cpu_chunk_numba.py", "chunk"))
 
 
 def cache_dirs(source: Path) -> list[Path]:
@@ -73,7 +73,7 @@ def _fresh_index(source: Path, entry: str) -> Path | None:
 
 
 def cold_entries() -> list[str]:
-    """The CPU kernel entry points numba's disk cache does not hold yet (``["cpu_numba.work", ...]``; empty:
+    """The CPU kernel entry points numba's disk cache does not hold yet (``["cpu_decode_numba.work", ...]``; empty:
     a run loads them instead of compiling). Cheap: a few ``stat`` calls, numba is not imported."""
     here = Path(__file__).parent
     return [f"{Path(f).stem}.{e}" for f, e in ENTRIES if _fresh_index(here / f, e) is None]

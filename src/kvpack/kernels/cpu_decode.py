@@ -1,6 +1,6 @@
 """The fused CPU decode backend: checks shapes, turns a :class:`PagedKV` into numba arguments, launches.
 
-The compiled loops live in :mod:`kvpack.kernels.cpu_numba` (imported on first use, so ``import kvpack``
+The compiled loops live in :mod:`kvpack.kernels.cpu_decode_numba` (imported on first use, so ``import kvpack``
 never pulls in numba). The kernel reads the packed payload and the stored scales straight from the pools;
 nothing dequantized is ever written to memory. Every format the presets use is covered: int8 (sym and
 asym), fp8 e4m3/e5m2, int4 and int2 (offset binary or unsigned + zero), passthrough fp16/bf16/fp32, any
@@ -12,7 +12,7 @@ path serves everything else.
 Pools may be strided along the block axis (each pool a view into one page per block, as vLLM lays out its
 KV cache): every pool (``k_data``, ``k_scale``, ``k_zero`` and the same for values) must be contiguous within
 a block, and its ``stride(0)``, at least the block's own element count, becomes the spec's block stride
-(``cpu_numba.P_BST``, ``P_SBST``, ``P_ZBST``); the kernel reads such pools in place, without copying. The
+(``cpu_decode_numba.P_BST``, ``P_SBST``, ``P_ZBST``); the kernel reads such pools in place, without copying. The
 tails may be strided along the batch axis the same way. Outlier pools (``k_outlier``, ``k_outlier_idx``)
 must be contiguous.
 """
@@ -33,6 +33,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import DType, QuantSpec
+from kvpack.kernels import cpu_decode_ir as _ir
 from kvpack.kernels.lowering import FloatKind, PayloadKind, lower
 from kvpack.kernels.views import ROLES, PagedKV, Role, refuse_rotated
 
@@ -59,11 +60,11 @@ _SERIAL_BLOCKS = 64
 # 0 took 1.19-1.23x as long as 2, 1 took 1.05-1.09x, 3 and 4 0.99-1.05x.
 FAR_BLOCKS = 2
 # Tokens attended per softmax step on the integer path: runs of this many tokens' blocks (a key spec's P_MULTI,
-# at least 1) share one max, one pass of exponentials and one rescale (cpu_numba._attend_multi); 0 turns it
+# at least 1) share one max, one pass of exponentials and one rescale (cpu_decode_numba._attend_multi); 0 turns it
 # off. int8, 32k, batch 4, 2 threads, quiet memory (benchmarks/cpu_spec_ab.py): one block at a time took
 # 1.09-1.14x as long as 512 tokens, 512 tokens 1.03x as long as 1024, 2048 0.98x (not taken: twice the scratch).
 MULTI_TOKENS = 1024
-# Integer dot products (see cpu_numba._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
+# Integer dot products (see cpu_decode_numba._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
 # environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
@@ -82,9 +83,9 @@ FP8_MIN_WORD = 64
 @lru_cache(maxsize=1)
 def _nb() -> Any:
     passive_pool()
-    from kvpack.kernels import cpu_numba
+    from kvpack.kernels import cpu_decode_numba
 
-    return cpu_numba
+    return cpu_decode_numba
 
 
 _POOL: list[bool] = []
@@ -254,7 +255,7 @@ def _prepare(kv: PagedKV) -> _ViewState:
     kp = _params(kv.format.key, kv, kv.k_data, "key")
     vp = _params(kv.format.value, kv, kv.v_data, "value")
     tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
-    # the tails: passthrough rows in natural channel order (cpu_numba.work gives them a query and an accumulator
+    # the tails: passthrough rows in natural channel order (cpu_decode_numba.work gives them a query and an accumulator
     # in that order), so float32 rows are read in place
     for tp, tail in ((tpk, kv.tail_k), (tpv, kv.tail_v)):
         tp[nbm.P_KIND] = PayloadKind.FLT
@@ -386,7 +387,7 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: Role) -> int:
     operand fewer than 11 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes past head_dim 512, block 512+),
     the float path is more accurate and serves instead."""
     nbm = _nb()
-    if kind not in nbm._CODE_MAX or not int_dot_enabled():
+    if kind not in _ir._CODE_MAX or not int_dot_enabled():
         return 0
     if kind in (nbm.E4M3, nbm.E5M2) and int_dot_isa() != "avx512bw":
         return 0  # fp8's table lookup needs vpermt2w; elsewhere it is a gather, slower than the float path
@@ -394,13 +395,13 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: Role) -> int:
     per = 8 // spec.bits
     dp = d // per
     _, ts, cs = spec.scale_shape(kv.kv_heads, b, d)
-    cmax = nbm._CODE_MAX[kind]
+    cmax = _ir._CODE_MAX[kind]
     if role == "key":
         if ts != 1 or b % 4 or dp % 32:
             return 0
         lim = min(32767, _I32_MAX // (d * cmax))
     else:
-        run = nbm.value_run(per)  # the value loop's weight groups: 16-byte runs, 8 for 2-bit codes
+        run = _ir.value_run(per)  # the value loop's weight groups: 16-byte runs, 8 for 2-bit codes
         if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % run)):
             return 0
         lim = min(32767, _I32_MAX // ((b + 1) * cmax))
@@ -420,7 +421,7 @@ def _int_dot_guards(kind: int, lim: int, role: Role) -> tuple[int, int]:
     if kind in (nbm.E4M3, nbm.E5M2):
         mbits = 3 if kind == nbm.E4M3 else 2
         spread = int(math.log2(lim)) - (mbits + 1)
-        table = nbm._lut_table(kind)
+        table = _ir._lut_table(kind)
         cmin = next(c for c in range(128) if table[c] >= FP8_MIN_WORD)
         return spread + SPREAD_SLACK[role], cmin
     centred = {nbm.S8: 128, nbm.U8: 128, nbm.U4: 8, nbm.U2: 2}[kind]
@@ -428,7 +429,7 @@ def _int_dot_guards(kind: int, lim: int, role: Role) -> tuple[int, int]:
 
 
 def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: Role) -> np.ndarray:
-    """The int64 parameter vector of one spec (see ``cpu_numba.P_*``) of a checked view (:meth:`PagedKV.check`);
+    """The int64 parameter vector of one spec (see ``cpu_decode_numba.P_*``) of a checked view (:meth:`PagedKV.check`);
     checks that the payload, scale and zero-point pools can be read in place (:func:`_block_stride`: their block
     strides)."""
     nbm = _nb()
@@ -529,7 +530,7 @@ def decode_attention(
     win = -1 if window is None else int(window)
     threads = max(1, torch.get_num_threads())
     g = q.shape[1] // kv.kv_heads
-    err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.launch_plan(
+    err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.prepare_launch(
         seq_lens, tables, start, win, b, kv.kv_heads, num_blocks, kv.sink, *_chunking(b, threads), threads,
         _SERIAL_BLOCKS, g, d
     )  # fmt: skip
@@ -582,11 +583,11 @@ def decode_attention(
     return result.to(q.dtype)
 
 
-_NO_START = np.zeros(0, np.int32)  # launch_plan's start_pos when there is none (0 for every row)
+_NO_START = np.zeros(0, np.int32)  # prepare_launch's start_pos when there is none (0 for every row)
 
 
 def _raise_contents(err: int, seq_lens: np.ndarray, tables: np.ndarray, num_blocks: int) -> None:
-    """The :class:`ShapeError` for :func:`cpu_numba.launch_plan`'s error code."""
+    """The :class:`ShapeError` for :func:`cpu_decode_numba.prepare_launch`'s error code."""
     if err == 1:
         raise ShapeError(f"every sequence needs at least one token (its query's own), got seq_lens {seq_lens.tolist()}")
     if err == 2:
@@ -598,26 +599,26 @@ _NO_SINK = np.empty((0, 1, 1, 1), np.float32)  # merge's sink rows when there ar
 
 
 def _sink_rows(kv: PagedKV, sinks: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-    """``[batch, H, S, D]`` float32 sink rows for :func:`cpu_numba.merge` (``sinks``: live views of ``kv.sink_k`` /
+    """``[batch, H, S, D]`` float32 sink rows for :func:`cpu_decode_numba.merge` (``sinks``: live views of ``kv.sink_k`` /
     ``kv.sink_v`` when there are, else a float32 copy)."""
     if sinks is not None:
         return sinks
     return tuple(t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
 
 
-def plan_items(
+def work_items(
     seq_lens: np.ndarray, start: np.ndarray, window: int, block_size: int, kv_heads: int, threads: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's work items for ``threads`` threads (:func:`cpu_numba.plan`: long histories cut into
+    """The kernel's work items for ``threads`` threads (:func:`cpu_decode_numba.work_items`: long histories cut into
     chunks of at least :data:`MIN_CHUNK_TOKENS` to reach :data:`_ITEMS_PER_THREAD` items per thread).
 
     seq_lens, start: ``[batch]`` int32; window: -1 for none. Returns ``(items [n, 5], first [batch * kv_heads + 1])``.
     """
-    return _nb().plan(seq_lens, start, window, block_size, kv_heads, *_chunking(block_size, threads))
+    return _nb().work_items(seq_lens, start, window, block_size, kv_heads, *_chunking(block_size, threads))
 
 
 def _chunking(block_size: int, threads: int) -> tuple[int, int]:
-    """:func:`cpu_numba.plan`'s target item count and shortest chunk (in blocks) for ``threads`` threads."""
+    """:func:`cpu_decode_numba.work_items`'s target item count and shortest chunk (in blocks) for ``threads`` threads."""
     return _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // block_size)
 
 
@@ -626,15 +627,15 @@ _pool_lock = threading.Lock()
 
 
 def thread_runs(items: np.ndarray, threads: int) -> np.ndarray:
-    """Each thread's run of work items for :func:`cpu_numba.take_item`: ``threads`` contiguous runs of about
-    equal cost, ``[threads]`` int64 words (:func:`cpu_numba.split_runs`)."""
+    """Each thread's run of work items for :func:`cpu_decode_numba.take_item`: ``threads`` contiguous runs of about
+    equal cost, ``[threads]`` int64 words (:func:`cpu_decode_numba.split_runs`)."""
     return _nb().split_runs(items, threads)
 
 
 def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.ndarray | None = None) -> None:
     """Run ``fn(t, runs, items, *args)`` on ``threads`` threads (the caller's is thread 0), once each.
 
-    ``fn`` is compiled, releases the GIL and takes its items with :func:`cpu_numba.take_item` from ``runs``
+    ``fn`` is compiled, releases the GIL and takes its items with :func:`cpu_decode_numba.take_item` from ``runs``
     (:func:`thread_runs`): each thread walks its own contiguous run in order (items come sequence by
     sequence, kv head by kv head, and a kv head's blocks sit right after the previous head's in every
     block, so part of the next item is already in the last-level cache when a thread gets to it; measured:
@@ -642,10 +643,10 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     the last items of the run with the most left, so a core that is busy with something else ends up doing
     less, and the threads finish within about one item of each other. One call per thread, not per slice:
     a numba call with this many arguments costs ~5-20 us under the GIL. Small calls run on the calling
-    thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_numba.launch_plan`), one
+    thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_decode_numba.prepare_launch`), one
     thread per run.
 
-    The decode kernel (:func:`cpu_numba.work`) runs on numba's own thread pool (:func:`cpu_numba.launch`, one
+    The decode kernel (:func:`cpu_decode_numba.work`) runs on numba's own thread pool (:func:`cpu_decode_numba.launch`, one
     compiled call), everything else on a Python thread pool. Measured in vLLM on the 2-core development VM
     (`kvpack bench vllm --quick`, int4): 137 tok/s on the Python pool, 169 on numba's; a Python pool thread
     woken between torch's operators waits for a core that torch's own OpenMP workers still hold.
@@ -659,7 +660,7 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
         fn(0, runs, items, *args)
         return
     nbm = _nb()
-    if fn is nbm.work:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_numba.launch
+    if fn is nbm.work:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_decode_numba.launch
         nbm.launch(threads, runs, items, *args)
         return
     with _pool_lock:
