@@ -90,9 +90,10 @@ def test_int8_keeps_the_greedy_tokens_through_prefix_hits_and_preemption(job, st
     share = _identical(res, stock)
     print(f"int8: {share:.0%} of {len(res['outputs'])} sequences identical to the stock backend over 64 tokens")
     # The target is 90%. Greedy agreement is the format's, not the backend's (the passthrough test above is
-    # exact): kvpack's transformers int8 cache keeps 10 of these 12 sequences identical, and vLLM's int8 kept 11 of
-    # 12 with the vdpbf16ps chunk kernel and 10 of 12 with the AMX build (summation order only). The floor is the
-    # format's measured 10 of 12; the 90% target is reported as missed, not asserted.
+    # exact): kvpack's transformers int8 cache keeps 11 of these 12 sequences identical, as float16 storage does
+    # (the twelfth flips on rounding alone), and vLLM's int8 kept 11 of 12 on this VM, 10 of 12 on others
+    # (summation order only). Over 48 prompts int8 keeps 79% (benchmarks/greedy_agreement.py), so the floor is
+    # 10 of 12 and the 90% target is reported as missed, not asserted.
     assert share >= 10 / 12
     assert res["tails_left"] == 0
 
