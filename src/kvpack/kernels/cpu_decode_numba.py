@@ -73,6 +73,8 @@ merged with log-sum-exp (:func:`merge`).
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from llvmlite import ir
 from numba import literally, njit, prange, types
@@ -104,6 +106,21 @@ FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
 # numba's private one, so it is only passed where this numba knows it.
 _NOREF = {"_nrt": False} if hasattr(DefaultOptions, "_nrt") else {}
 TILE = 8  # rows decoded at a time
+
+# A thread's scratch for :func:`_attend` and :func:`_attend_multi` (built once per :func:`work` call): the query
+# permuted into the keys' plane order (qp) and its per-group sums (qsum); the online softmax state (m, lsum) and
+# accumulators (acc, zacc: values, and zero-point sums per value group); a block's scores (sc), weights (w) and
+# per-head largest scores (mxb); the query with the key scales folded in (qf) and its per-block constant (kc);
+# stored scales and zero-points of keys (sk, zk) and values (sv, zv) and a staging row (pk, zp); the decode tile
+# (buf) and a channel row (sx); the int16 query (q16) and weights (w16) with their units (qinv, winv); each
+# head's largest score from the integer key loop (kmx).
+Scratch = namedtuple(
+    "Scratch",
+    "qp qsum m lsum acc zacc sc w mxb qf kc sk zk sv zv pk zp buf sx q16 w16 qinv winv kmx",
+)
+# A run of blocks' scratch (:func:`_attend_multi`): scores then weights (msc), int16 weights (mw), value scales
+# and zero-points per block (msv, mzv), each block's largest score then weight (mpk) and weight unit (mwinv).
+RunScratch = namedtuple("RunScratch", "msc mw msv mzv mpk mwinv")
 
 U64 = np.uint64
 _LOG2_MIN = np.float32(-126.0)
@@ -1125,7 +1142,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     results equal the one-block path's up to rounding (float rounding, plus for asymmetric int4 keys with int4
     group values a few int16 weight roundings flipped by float32 association: 7.7e-5 at most measured). Once per run: the max, the exponentials and
     their sum, the rescale of the accumulator (fixed costs that made up ~10% of an int8 block's time).
-    ``st``: :func:`_attend`'s scratch; ``mt`` = (msc ``[G4, M * B]`` float32 scores, then weights p; mw
+    ``st``: :func:`_attend`'s :data:`Scratch`; ``mt`` a :data:`RunScratch` (msc ``[G4, M * B]`` float32 scores, then weights p; mw
     ``[G4 // 4, ngv, 4, M * B]`` int16 weights; msv, mzv ``[M, nscr]`` float32 value scales and zero-points
     per block; mpk ``[M * G4]`` each block's largest score, then its largest p; mwinv ``[M, G4]`` each block's weight unit), with
     ``M = kp[P_MULTI] >= nb``.
@@ -1134,8 +1151,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     first that would lose the format's accuracy on the integer path ends the run (nothing of it computed but
     the fold). Returns the number of blocks done (``< nb``: block ``j + that`` is left to the float path);
     ``qspread``: ``D`` times the query's largest spread over its heads (:func:`_spread`)."""
-    qp, m, lsum, acc, zacc, w, qf, kc, sk, zk, pk, zp, q16, qinv = (st[0], st[2], st[3], st[4], st[5], st[7], st[9],
-        st[10], st[11], st[12], st[15], st[16], st[19], st[21])  # fmt: skip
+    qp, m, lsum, acc, zacc, w, qf, kc = st.qp, st.m, st.lsum, st.acc, st.zacc, st.w, st.qf, st.kc
+    sk, zk, pk, zp, q16, qinv = st.sk, st.zk, st.pk, st.zp, st.q16, st.qinv
     msc, mw, msv, mzv, mpk, mwinv = mt
     g_n, d = w.shape[0], qp.shape[1]
     lw = msc.shape[1]  # row stride of the scores and of the int16 weights
@@ -1290,7 +1307,7 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
     tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; for the tail, kpay/vpay are the tails'
     views and kp/vp their passthrough specs, and the "block" is indexed by ``b``. kp/vp: spec parameters;
-    ``st`` = (qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, kmx):
+    ``st`` a :data:`Scratch`:
     qp ``[G4, D]`` the query in the keys' plane order, pre-scaled by ``sm_scale * log2(e)`` (G rounded up to
     a multiple of 4, padding rows zero); qsum
     ``[G, nkg]`` its sums per key scale group; m, lsum ``[G]`` running max (base 2) and sum; acc ``[G, D]``
@@ -1546,8 +1563,8 @@ def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1
     the float path). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
     mlen = kp[P_MULTI]
     qspread = np.int64(0)  # the query's largest spread over its heads (see _multi_fits)
-    for g in range(st[7].shape[0]):
-        qspread = max(qspread, _spread(st[0][g], st[0].shape[1]))
+    for g in range(st.w.shape[0]):
+        qspread = max(qspread, _spread(st.qp[g], st.qp.shape[1]))
     j = j0
     while j < j1:
         nb = 0
@@ -1750,7 +1767,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
     acc = np.empty((g4, d), np.float32)
     zacc = np.empty((g_n, nvg), np.float32)
     ngv = vp[P_CS] if (vp[P_CS] > 1 and vp[P_SKIND] != SC_NONE) else 1
-    st = (qp, qsum, m, lsum, acc, zacc, np.zeros((g4, bs), np.float32), np.empty((g_n, bs), np.float32),
+    st = Scratch(qp, qsum, m, lsum, acc, zacc, np.zeros((g4, bs), np.float32), np.empty((g_n, bs), np.float32),
           np.empty(g_n, np.float32), np.zeros((g4, d), np.float32), np.empty(g_n, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
           np.empty(nscr, np.float32), np.empty(nscr, np.float32), np.empty(nscr, np.float32),
@@ -1759,12 +1776,12 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
           np.zeros(g4, np.float32))  # fmt: skip
     multi = _multi_eligible(kp, vp)
     nm = kp[P_MULTI] if multi else 1
-    mt = (np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
+    mt = RunScratch(np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
           np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
     # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
     # packed in planes, the accumulator put into natural order before the tail
     qn = np.zeros((g4, d), np.float32)
-    stn = (qn, *st[1:])
+    stn = Scratch(qn, *st[1:])  # the same scratch with the natural-order query
     tmp = np.empty(d, np.float32)
     it = take_item(runs, t)
     while it >= 0:
