@@ -115,3 +115,26 @@ def test_a_non_finite_block_writes_nothing():
     zrows, zbuf = _rows(4, 2 * 64 * 2)
     assert not cpu_seal.seal_blocks(x, q, np.array([0, 2]), rows, srows, zrows)
     assert (buf == POISON).all() and (sbuf == POISON).all() and (zbuf == POISON).all()
+
+
+def test_gather_blocks_assembles_tail_rows_then_the_steps_rows():
+    g = torch.Generator().manual_seed(0)
+    tail, new = torch.randn(3, 2, 8, 4, generator=g), torch.randn(20, 2, 4, generator=g)
+    slots, froms, toks = np.array([2, 0]), np.array([5, 0]), np.array([3, 12])
+    x, finite = cpu_seal.gather_blocks(tail, new, slots, froms, toks)
+    assert finite and x.shape == (2, 2, 8, 4)
+    assert torch.equal(x[0], torch.cat([tail[2, :, :5], new[3:6].transpose(0, 1)], dim=1))
+    assert torch.equal(x[1], new[12:20].transpose(0, 1))
+    new[14, 1, 2] = float("inf")
+    assert not cpu_seal.gather_blocks(tail, new, slots, froms, toks)[1]
+
+
+@pytest.mark.parametrize(
+    ("slots", "froms", "toks"),
+    [([3], [2], [0]), ([0], [9], [0]), ([0], [0], [13]), ([0], [2], [-1])],  # slot, tail rows, step rows, negative
+)
+def test_gather_blocks_refuses_rows_outside_its_inputs(slots, froms, toks):
+    from kvpack.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="outside"):
+        cpu_seal.gather_blocks(torch.zeros(3, 2, 8, 4), torch.zeros(20, 2, 4), *map(np.array, (slots, froms, toks)))

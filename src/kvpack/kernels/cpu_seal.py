@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpack.errors import ShapeError
 from kvpack.formats import QuantSpec, ScaleDType
 
 __all__ = ["gather_blocks", "seal_blocks", "supports"]
@@ -55,15 +56,27 @@ def gather_blocks(
         tail: ``[capacity, H, T, D]`` float32, contiguous: the open blocks' rows (a tail slot per block).
         new: ``[N, H, D]`` float32: the step's rows.
         slots, froms, toks: ``[K]``: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` rows, then ``new``'s
-            rows from ``toks[i]`` on.
+            rows from ``toks[i]`` on (``slots[i]`` unused, -1 in a step's plan, where ``froms[i]`` is 0).
 
     Returns:
         ``([K, H, T, D]`` float32 blocks, whether every value is finite).
+
+    Raises:
+        ShapeError: an index outside ``tail`` or ``new`` (nothing read).
     """
-    k, (_, h, t, d) = len(slots), tail.shape
-    out = np.empty((k, h, t, d), np.float32)
+    k, (cap, h, t, d) = len(slots), tail.shape
     i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
-    ok = _numba().gather_blocks(tail.numpy(), new.contiguous().numpy(), i64(slots), i64(froms), i64(toks), out)
+    slots, froms, toks = i64(slots), i64(froms), i64(toks)
+    if k and not (
+        new.shape[1:] == (h, d)
+        and ((slots >= 0) & (slots < cap) | (froms == 0)).all()  # a block with no tail rows has no slot
+        and 0 <= froms.min() <= froms.max() <= t
+        and toks.min() >= 0
+        and (toks + t - froms).max() <= new.shape[0]
+    ):  # the compiled loop does not check its indices
+        raise ShapeError(f"gather_blocks: rows outside the tails {tuple(tail.shape)} or the step's {tuple(new.shape)}")
+    out = np.empty((k, h, t, d), np.float32)
+    ok = _numba().gather_blocks(tail.numpy(), new.contiguous().numpy(), slots, froms, toks, out)
     return torch.from_numpy(out), bool(ok)
 
 
