@@ -64,7 +64,7 @@ FAR_BLOCKS = 2
 # off. int8, 32k, batch 4, 2 threads, quiet memory (benchmarks/cpu_spec_ab.py): one block at a time took
 # 1.09-1.14x as long as 512 tokens, 512 tokens 1.03x as long as 1024, 2048 0.98x (not taken: twice the scratch).
 MULTI_TOKENS = 1024
-# Integer dot products (see cpu_decode_numba._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
+# Integer dot products (see cpu_decode_ir._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
 # environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
