@@ -21,6 +21,7 @@ import torch
 
 import kvpack.hf
 from kvpack.bench.vllm import prose_token_ids, workload
+from kvpack.fsutil import atomic_write_text
 from kvpack.models.embedded import ensure_converted
 
 
@@ -75,8 +76,7 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__,
         }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        atomic_write_text(args.json, json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
