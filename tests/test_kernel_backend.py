@@ -106,7 +106,7 @@ def _broken() -> list[tuple[str, PagedKV, str]]:
         ("value scale blocks", dataclasses.replace(i8, v_scale=i8.v_scale[:2]), "v_scale (value scale) has 2 blocks"),
         ("missing key zero", dataclasses.replace(asym, k_zero=None), "k_zero (key zero) is missing"),
         ("value zero shape", dataclasses.replace(asym, v_zero=asym.v_zero[:, :, :3]), "v_zero (value zero) must be"),
-        ("payload dtype", dataclasses.replace(i8, k_data=i8.k_data.view(torch.uint8)), "key payload dtype"),
+        ("payload dtype", dataclasses.replace(i8, k_data=i8.k_data.view(torch.int8)), "key payload dtype"),
         ("payload shape", dataclasses.replace(asym, v_data=asym.v_data[..., :8]), "v_data (value payload) must be"),
         ("pool blocks", dataclasses.replace(i8, v_data=i8.v_data[:2], v_scale=i8.v_scale[:2]), "differ in blocks"),
         ("tail length", dataclasses.replace(i8, tail_v=i8.tail_v[:, :, :8]), "tails must be"),

@@ -277,7 +277,7 @@ def test_bad_input_raises_shape_errors() -> None:
     with pytest.raises(ShapeError, match="outside"):
         cpu_decode.decode_attention(q, kv)
     with pytest.raises(ShapeError, match="payload dtype"):
-        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_data=kv.k_data.view(torch.uint8)))
+        cpu_decode.decode_attention(q, dataclasses.replace(kv, k_data=kv.k_data.view(torch.int8)))
     with pytest.raises(ShapeError, match="key scale"):
         cpu_decode.decode_attention(q, dataclasses.replace(kv, k_scale=None))
 
