@@ -4,7 +4,7 @@ numba's JIT code lives in anonymous memory, so ``perf report`` shows it as unkno
 runs the kernel (one format, 32k context, batch 4, 32 q / 8 kv heads, head_dim 128, one thread by
 default) for a while and writes ``/tmp/perf-<pid>.map`` (the file ``perf`` reads for JIT code): the
 kernel's cached ``.nbc`` file holds the compiled object code, whose symbol table gives each helper's
-offset and size, and the runtime address of ``work`` anchors them. It also leaves the object file at
+offset and size, and the runtime address of ``launch_one`` anchors them. It also leaves the object file at
 ``/tmp/kvpack_work.o`` and the anchor at ``/tmp/kvpack_work.base`` for instruction-level digging
 (``objdump -d --start-address=...``)::
 
@@ -59,10 +59,10 @@ def write_perf_map() -> int:
     """Write ``/tmp/perf-<pid>.map`` for the kernel's compiled library; returns the number of symbols."""
     import kvpack.kernels.cpu_decode_numba as nbm
 
-    (_, cres), *_ = nbm.work.overloads.items()
+    (_, cres), *_ = nbm.launch_one.overloads.items()
     base = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
-    line = nbm.work.py_func.__code__.co_firstlineno
-    pattern = os.path.join(os.path.dirname(nbm.__file__), "__pycache__", f"cpu_decode_numba.work-{line}.py*.nbc")
+    line = nbm.launch_one.py_func.__code__.co_firstlineno
+    pattern = os.path.join(os.path.dirname(nbm.__file__), "__pycache__", f"cpu_decode_numba.launch_one-{line}.py*.nbc")
     files = sorted(glob.glob(pattern), key=os.path.getmtime)
     if not files:
         raise SystemExit(f"no cached kernel at {pattern}: run the kernel once with the disk cache enabled")
@@ -75,7 +75,7 @@ def write_perf_map() -> int:
     rows = []
     for entry in subprocess.run(["nm", "-S", "/tmp/kvpack_work.o"], capture_output=True, text=True).stdout.splitlines():
         parts = entry.split()
-        if len(parts) == 4 and parts[2] in "tTwW":  # the work function sits at offset 0 of its section
+        if len(parts) == 4 and parts[2] in "tTwW":  # the entry sits at offset 0 of its section
             rows.append((base + int(parts[0], 16), int(parts[1], 16), _short(parts[3])))
     with open(f"/tmp/perf-{os.getpid()}.map", "w") as fh:
         for addr, size, name in rows:

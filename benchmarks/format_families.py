@@ -1,6 +1,7 @@
 """Formats on the embedded model and on its biased-key stress model: teacher-forced KL through kvpack's cache.
 
     python benchmarks/format_families.py [--tokens 1024] [--formats fp8,fp8-plain,...] [--models embedded,biased,gemma3-270m]
+    python benchmarks/format_families.py --tokens 512 --offsets 5000,9000,13000 --models gemma3-270m  # pooled windows
 
 The stress model is the embedded SmolLM2-135M with a planted ``k_proj`` bias (:func:`kvpack.models.stress.add_key_bias`),
 the feature of the Qwen2 family that made the former ``fp8`` preset (rotated, not centred) fall behind plain e4m3.
@@ -35,20 +36,29 @@ def _commit() -> str:
         return "unknown"
 
 
-def measure(model: str, tokens: int, formats: list[str]) -> dict[str, dict[str, float]]:
+def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> dict[str, dict[str, float]]:
+    """Each format's KL mean, p99 and top-1 agreement over ``tokens`` tokens of prose from each offset, pooled
+    (every token of every window weighs the same)."""
     biased = model == "biased"
     lm = load(None if model in ("embedded", "biased") else model)
     ids = lm.tokenizer(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
     if biased:
         add_key_bias(lm.model, ids[:256])
-    doc = ids[5000 : 5000 + tokens]
     r = Runner(lm, engine="kvpack")
-    caches = {f: r.cache(f, tokens + 64) for f in formats}
-    res = teacher_forced(r.forward, doc, r.cache(None, tokens + 64), caches, chunk=128)
-    return {
-        f: {"kl_mean": float(x.kl.mean()), "kl_p99": float(x.kl.quantile(0.99)), "top1": float(x.agree.mean())}
-        for f, x in res.items()
-    }
+    kl: dict[str, list[torch.Tensor]] = {f: [] for f in formats}
+    agree: dict[str, list[torch.Tensor]] = {f: [] for f in formats}
+    for off in offsets:
+        doc = ids[off : off + tokens]
+        caches = {f: r.cache(f, tokens + 64) for f in formats}
+        res = teacher_forced(r.forward, doc, r.cache(None, tokens + 64), caches, chunk=128)
+        for f, x in res.items():
+            kl[f].append(x.kl.flatten())
+            agree[f].append(x.agree.flatten().float())
+    out = {}
+    for f in formats:
+        k, a = torch.cat(kl[f]), torch.cat(agree[f])
+        out[f] = {"kl_mean": float(k.mean()), "kl_p99": float(k.quantile(0.99)), "top1": float(a.mean())}
+    return out
 
 
 def main() -> None:
@@ -61,6 +71,7 @@ def main() -> None:
         default="embedded,biased",
         help="embedded, biased (the embedded model with a k_proj bias), or registered test models (gemma3-270m, ...)",
     )
+    ap.add_argument("--offsets", default="5000", help="token offsets of the prose windows, pooled (e.g. 5000,9000)")
     ap.add_argument("--out", default="benchmarks/results/format_families.json")
     args = ap.parse_args()
     from kvpack.formats import split_formats
@@ -69,7 +80,8 @@ def main() -> None:
     formats = split_formats(args.formats)
     t0 = time.time()
     names = {"embedded": "embedded", "biased": "embedded + k_proj bias"}
-    rows = {names.get(m, m): measure(m, args.tokens, formats) for m in args.models.split(",")}
+    offsets = [int(o) for o in args.offsets.split(",")]
+    rows = {names.get(m, m): measure(m, args.tokens, formats, offsets) for m in args.models.split(",")}
     print(f"{'format':36s} " + " ".join(f"{m:>28s}" for m in rows))
     for f in formats:
         cells = [f"KL {rows[m][f]['kl_mean']:.2e} top-1 {100 * rows[m][f]['top1']:.1f}%" for m in rows]

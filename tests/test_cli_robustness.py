@@ -191,3 +191,17 @@ def test_an_unexpected_exception_is_one_line_that_says_it_is_a_bug(capsys, monke
 def test_exact_counts_are_printed_as_given(capsys):
     rc, _ = _run(["size", "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--context", "1099511627776"], capsys)
     assert rc == 0
+
+
+def test_a_reader_that_leaves_the_pipe_stops_the_command_quietly():
+    """``kvpack size ... | head`` where head has already exited: no "internal error", no traceback, status 141."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "kvpack.cli.main", "size", "--layers", "4", "--kv-heads", "2", "--head-dim", "64",
+            "--context", "1k", "--format", "all"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before anything is written (the interpreter takes ~1 s to start)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert err == ""

@@ -122,7 +122,7 @@ def test_lengths_max(tmp_path, capsys, monkeypatch):
 def test_first_run_says_it_compiles_then_estimates(tmp_path, capsys, monkeypatch):
     from kvpack.kernels import warmup
 
-    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.work", "cpu_chunk_numba.chunk"])
+    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.launch_one", "cpu_chunk_numba.chunk"])
     monkeypatch.setattr(warmup, "warm_up", lambda: 78.2)
     rc = main(["eval", "--formats", "int8", "--out", str(tmp_path), "--speculative-tokens", "0", *SMALL])
     assert rc == 0

@@ -295,7 +295,7 @@ def test_runs_of_blocks_match_one_block_at_a_time(
     q = torch.randn(len(lens), 2 * group, head_dim)
     state = cpu_decode._prepare(kv)
     runs = int(state.kp[nbm.P_MULTI])
-    assert runs == cpu_decode.MULTI_TOKENS // block and nbm._multi_eligible(state.kp, state.vp)  # the case takes runs
+    assert runs == cpu_decode.MULTI_TOKENS // block == cpu_decode.blocks_per_run(kv)  # the case takes runs
     padded = PagedKV(**{**kv.__dict__, "start_pos": torch.tensor([block + 3, 0, 2, 0], dtype=torch.int32)})
     old = torch.get_num_threads()
     torch.set_num_threads(2)

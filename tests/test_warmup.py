@@ -81,7 +81,7 @@ def test_compile_note_only_when_cold(monkeypatch, capsys):
     monkeypatch.setattr(warmup, "cold_entries", lambda: [])
     assert compile_note.compile_cpu_kernels("auto") is None
     assert capsys.readouterr().err == "" and not ran
-    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.work"])
+    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.launch_one"])
     assert compile_note.compile_cpu_kernels("reference") is None and not ran  # no CPU kernel will run
     assert compile_note.compile_cpu_kernels("auto") == 81.4
     err = capsys.readouterr().err.splitlines()
@@ -93,7 +93,7 @@ def test_bench_decode_says_it_compiles_before_the_sweep(monkeypatch, capsys):
     from kvpack.bench import decode
     from kvpack.cli.main import main
 
-    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.work"])
+    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.launch_one"])
     monkeypatch.setattr(warmup, "warm_up", lambda: 3.0)
     seen = []
 
@@ -132,7 +132,7 @@ def test_generate_says_it_compiles_after_the_model_loads(monkeypatch, capsys):
     model, _ = tiny_model(seed=0, max_positions=256)
     order = []
     monkeypatch.setattr(kvpack.models, "load_model", lambda path=None: order.append("load") or (model, Tok()))
-    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.work"])
+    monkeypatch.setattr(warmup, "cold_entries", lambda: ["cpu_decode_numba.launch_one"])
     monkeypatch.setattr(warmup, "warm_up", lambda: order.append("compile") or 2.0)
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "2", "--raw", "--format", "int8"]) == 0
     assert order == ["load", "compile"]

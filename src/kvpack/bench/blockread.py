@@ -105,9 +105,7 @@ class BlockRead:
         k8, v8 = (t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (kv.k_data, kv.v_data))
         krow, vrow = (t.shape[-1] * t.element_size() for t in (kv.k_data, kv.v_data))
         self.out = np.zeros(len(self.items), np.uint64)
-        state = cpu_decode._prepare(kv)  # the kernel's specs: whether it attends runs of blocks, and how long
-        multi = cpu_decode._nb()._multi_eligible(state.kp, state.vp)
-        self.blocks_per_run = int(state.kp[cpu_decode._nb().P_MULTI]) if multi else 1
+        self.blocks_per_run = cpu_decode.blocks_per_run(kv)  # as the kernel reads them: runs of blocks, how long
         self.args = (k8, k8.view(np.uint64), v8, v8.view(np.uint64), tables, seq_lens, kv.kv_heads, kv.block_size, krow,
                      vrow, cpu_decode.FAR_BLOCKS, self.blocks_per_run, self.out)  # fmt: skip
         blocks = int(np.sum(self.items[:, 3] - self.items[:, 2]))

@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(mods[args.command].run(args) or 0)
+        status = int(mods[args.command].run(args) or 0)
+        sys.stdout.flush()  # a reader that left (`kvpack size ... | head`) shows here, inside this try
+        return status
+    except BrokenPipeError:  # stop quietly, as other Unix tools do; stdout to /dev/null so exit's flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
     except KVPackError as e:
         print(f"kvpack {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from kvpack.kernels.views import ROLES, PagedKV, Role, refuse_rotated
 
 __all__ = [
     "MIN_CHUNK_TOKENS",
+    "blocks_per_run",
     "decode_attention",
     "int_dot_enabled",
     "int_dot_isa",
@@ -570,7 +571,10 @@ def decode_attention(
         ko,
         ki,
     )
-    run_items(nbm.work, items, threads, args, runs)
+    if runs.shape[0] == 1:
+        nbm.launch_one(runs, items, *args)
+    else:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_decode_numba.launch
+        nbm.launch(runs.shape[0], runs, items, *args)
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
     sk, sv = _sink_rows(kv, prep.sinks) if kv.sink else (_NO_SINK, _NO_SINK)
@@ -617,6 +621,17 @@ def work_items(
     return _nb().work_items(seq_lens, start, window, block_size, kv_heads, *_chunking(block_size, threads))
 
 
+def blocks_per_run(kv: PagedKV) -> int:
+    """How many blocks the kernel attends with one softmax step over ``kv``'s sealed blocks (1: one at a time;
+    runs need integer dot products on keys and values, key scales constant over a block's tokens, no outlier
+    channels: see :func:`cpu_decode_numba._attend_runs`)."""
+    nbm = _nb()
+    state = _prepare(kv)
+    if nbm._multi_eligible(state.kp, state.vp):
+        return int(state.kp[nbm.P_MULTI])
+    return 1
+
+
 def _chunking(block_size: int, threads: int) -> tuple[int, int]:
     """:func:`cpu_decode_numba.work_items`'s target item count and shortest chunk (in blocks) for ``threads`` threads."""
     return _ITEMS_PER_THREAD * threads, max(1, MIN_CHUNK_TOKENS // block_size)
@@ -646,8 +661,9 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_decode_numba.prepare_launch`), one
     thread per run.
 
-    The decode kernel (:func:`cpu_decode_numba.work`) runs on numba's own thread pool (:func:`cpu_decode_numba.launch`, one
-    compiled call), everything else on a Python thread pool. Measured in vLLM on the 2-core development VM
+    The decode kernel does not come through here: it runs on numba's own thread pool (:func:`cpu_decode_numba.launch`,
+    one compiled call; :func:`cpu_decode_numba.launch_one` on one thread), whose threads take items the same way;
+    this pool is for the other compiled loops (the block-read probe). Measured in vLLM on the 2-core development VM
     (`kvpack bench vllm --quick`, int4): 137 tok/s on the Python pool, 169 on numba's; a Python pool thread
     woken between torch's operators waits for a core that torch's own OpenMP workers still hold.
     """
@@ -658,10 +674,6 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     threads = runs.shape[0]
     if threads == 1:
         fn(0, runs, items, *args)
-        return
-    nbm = _nb()
-    if fn is nbm.work:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_decode_numba.launch
-        nbm.launch(threads, runs, items, *args)
         return
     with _pool_lock:
         if _pool is None or _pool._max_workers < threads - 1:

@@ -99,6 +99,17 @@ N_PARAMS = 20
 # may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0.
 # P_SPREAD, P_CMIN: where a block's int16 operands or fp8 codes would lose more than the format, the block takes
 # the float path (see _spread_ok, _codes_reach; 0: no such check).
+# The compiled code reads a spec as this vector, by these indices, not as a named tuple of the same fields: built
+# with a named tuple, decode calls took 6-8% longer (int4 and int8, one thread, CPU time per call, the two builds
+# alternated, commit 240f340), most likely because the tuple's fields are values the compiler keeps alive across
+# the block loops, where an element of the vector is a load at its use.
+# One side of the cache (keys or values, sealed blocks or tails) as the kernel reads it: flat (uint8, uint16, float32)
+# views of the payload, flat views of the scales and zero-points, and its spec vector (``P_*``).
+Pool = namedtuple("Pool", "pay scl zero p")
+# The step's rows: block tables ``[batch, max_blocks]`` int32, seq_lens and start positions ``[batch]`` int32.
+Rows = namedtuple("Rows", "tables seq_lens start_pos")
+# The work items' partial results: base-2 max and sum ``[n_items, G]``, unnormalized output ``[n_items, G, D]``.
+Partials = namedtuple("Partials", "m l acc")
 
 # No ninf: -inf marks positions outside the window and must survive max() and exp2().
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
@@ -886,13 +897,16 @@ def _q16_keys(qf, lim, cbar, q16, qinv, kc):
         inv = mx / flim
         qinv[g] = inv
         o = U64(g * d)
-        for i in range(ud):
-            q16[o + i] = np.int16(np.rint(row[i] * s))
-        if g < g_n and cbar != 0:
+        if g < g_n and cbar != 0:  # the rounding's sum for the midpoint term, in the same pass
             rsum = _ZERO
             for i in range(ud):
-                rsum += np.rint(row[i] * s) * inv - row[i]
+                r = np.rint(row[i] * s)
+                q16[o + i] = np.int16(r)
+                rsum += r * inv - row[i]
             kc[g] -= cbar * rsum
+        else:
+            for i in range(ud):
+                q16[o + i] = np.int16(np.rint(row[i] * s))
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
@@ -1038,8 +1052,8 @@ def _near_rows(tables, b, j, jp, tail, p, h, bs, t):
 
 @njit(inline="always", **_NOREF)
 def _row0(p, blk, h, bs):
-    """Flat offset of head ``h``'s first row in block ``blk`` of a payload pool ``[num_blocks, H, B, P[P_ROW]]``
-    (or of sequence ``blk`` in a tail): the block stride ``p[P_BST]`` need not be ``H * B * P[P_ROW]``."""
+    """Flat offset of head ``h``'s first row in block ``blk`` of a payload pool ``[num_blocks, H, B, p[P_ROW]]``
+    (or of sequence ``blk`` in a tail): the block stride ``p[P_BST]`` need not be ``H * B * p[P_ROW]``."""
     return U64(blk) * U64(p[P_BST]) + U64(h) * U64(bs) * U64(p[P_ROW])
 
 
@@ -1074,12 +1088,13 @@ def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf
     if kzt:
         _scales(kzero, kp[P_ZKIND], _scale0(kp, idx, khs, True), kcs, zk)
     pks = sk if (kcs > 1 and kper == 1) else pk  # the scales in the keys' plane order
+    pzs = zk if (kcs > 1 and kper == 1 and kfoff == 0) else zp  # the zero-point terms in that order
     if kcs == 1:
         for i in range(d):
             pk[i] = sk[0]
             zp[i] = zk[0] - kfoff * sk[0] if kzt else _ZERO
     elif kper == 1:
-        if kzt:
+        if kzt and kfoff != 0:
             for i in range(U64(d)):
                 zp[i] = zk[i] - kfoff * sk[i]
     else:
@@ -1090,12 +1105,15 @@ def _fold_keys(kscl, kzero, kp, idx, khs, kfoff, kcbar, kunit, kint, g_n, qp, qf
                 pk[kb + jj] = sk[c]
                 zp[kb + jj] = zk[c] - kfoff * sk[c] if kzt else _ZERO
     for g in range(g_n):
-        for i in range(U64(d)):
-            qf[g, i] = qp[g, i] * pks[i]
         c0 = _ZERO
         if kzt:
             for i in range(U64(d)):
-                c0 += qp[g, i] * zp[i]
+                x = qp[g, i]
+                qf[g, i] = x * pks[i]
+                c0 += x * pzs[i]
+        else:
+            for i in range(U64(d)):
+                qf[g, i] = qp[g, i] * pks[i]
         kc[g] = c0
     if kint:
         _q16_keys(qf, kp[P_DOT], kcbar, q16, qinv, kc)
@@ -1128,7 +1146,7 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
 
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
-def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
+def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
                   qspread, skip):  # fmt: skip
     """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window but the first ``skip`` rows of
     block ``j``) with one softmax step, on the integer path with key scales constant over a block's tokens (see
@@ -1151,6 +1169,8 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
     first that would lose the format's accuracy on the integer path ends the run (nothing of it computed but
     the fold). Returns the number of blocks done (``< nb``: block ``j + that`` is left to the float path);
     ``qspread``: ``D`` times the query's largest spread over its heads (:func:`_spread`)."""
+    kpay, kscl, kzero, kp = keys
+    vpay, vscl, vzero, vp = values
     qp, m, lsum, acc, zacc, w, qf, kc = st.qp, st.m, st.lsum, st.acc, st.zacc, st.w, st.qf, st.kc
     sk, zk, pk, zp, q16, qinv = st.sk, st.zk, st.pk, st.zp, st.q16, st.qinv
     msc, mw, msv, mzv, mpk, mwinv = mt
@@ -1299,7 +1319,7 @@ def _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
+def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
             kout, kidx):  # fmt: skip
     """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only;
     blocks before ``jp`` (``>= j1``) may be prefetched: the thread's next work item may go on from ``j1``.
@@ -1318,6 +1338,8 @@ def _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp,
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
     ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
     """
+    kpay, kscl, kzero, kp = keys
+    vpay, vscl, vzero, vp = values
     qp, qsum, m, lsum, acc, zacc, sc, w, mxb, qf, kc, sk, zk, sv, zv, pk, zp, buf, sx, q16, w16, qinv, winv, kmx = st
     g_n, d = w.shape[0], qp.shape[1]
     kper, kskind, kts, kcs = kp[P_PER], kp[P_SKIND], kp[P_TS], kp[P_CS]
@@ -1554,14 +1576,14 @@ def _multi_fits(kpay, kp, vpay, vp, qf, sk, sv, nsv, g_n, kbase, kn, vbase, vn, 
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st,
+def _attend_runs(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st,
                  kout, kidx, mt):  # fmt: skip
     """:func:`_attend` over sealed blocks ``[j0, j1)`` of row ``b`` for specs :func:`_multi_eligible` takes: runs of
-    up to ``kp[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
+    up to ``keys.p[P_MULTI]`` consecutive blocks inside the window go through :func:`_attend_multi` (one softmax
     step each; a block the window or the first attended position starts inside begins a run, its earlier rows
     masked); released blocks are skipped; so is a block whose integer operands would lose accuracy (:func:`_multi_fits`: it ends the run and takes
     the float path). A separate function so that :func:`_attend`, which every other case runs, compiles as before."""
-    mlen = kp[P_MULTI]
+    mlen = keys.p[P_MULTI]
     qspread = np.int64(0)  # the query's largest spread over its heads (see _multi_fits)
     for g in range(st.w.shape[0]):
         qspread = max(qspread, _spread(st.qp[g], st.qp.shape[1]))
@@ -1575,13 +1597,13 @@ def _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j0, j1
             while nb < mlen and j + nb < j1 and tables[b, j + nb] != 0 and (nb == 0 or (j + nb) * bs >= lo):
                 nb += 1
         if nb > 0:
-            done = _attend_multi(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, nb, jp, h, kv_heads, bs, st,
+            done = _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st,
                                  mt, qspread, skip)  # fmt: skip
             j += done
             if done == nb:
                 continue
         # released (skipped inside), the window starts in it, or its operands do not fit the integer path
-        _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
+        _attend(keys, values, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
                 kout, kidx)  # fmt: skip
         j += 1
 
@@ -1726,8 +1748,8 @@ def prepare_launch(seq_lens, tables, start_pos, window, block_size, kv_heads, nu
 
 
 @njit(nogil=True, fastmath=FASTMATH, cache=True)
-def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-         start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, qscale, kv_heads, block_size, parts,
+         kout, kidx):  # fmt: skip
     """Thread ``t``'s share of the work items: it takes them from ``runs`` (:func:`take_item`) until none is
     left. Releases the GIL: the launcher calls it once on each of its threads.
 
@@ -1736,17 +1758,20 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
     the merge skips), so cutting a history into many items costs neither a cold start (the first blocks of
     an item are not prefetched) nor merge work; only items taken by another thread become partials.
 
-    q: ``[batch, Hq, D]`` float32. kpay/vpay: flat (uint8, uint16, float32) views of the payload pools
-    ``[num_blocks, H, B, P]``; kscl/vscl, kzero/vzero: flat views of ``[num_blocks, Hs, Ts, Cs]``; kp/vp:
-    int64 spec parameters (``P_*``; a pool is contiguous within a block, its blocks ``P_BST`` / ``P_SBST`` /
-    ``P_ZBST`` elements apart); tailk/tailv: flat views of the tails ``[batch, H, B, D]``, read with
-    the passthrough specs tpk/tpv (natural channel order, ``P_PER`` 1; ``P_BST``: elements between sequences);
-    tables: ``[batch, max_blocks]`` int32;
-    seq_lens, start_pos: ``[batch]`` int32; window: -1 for none; qscale: ``sm_scale * log2(e)``;
+    q: ``[batch, Hq, D]`` float32. keys, values: :data:`Pool` s of the sealed blocks: flat (uint8, uint16,
+    float32) views of the payload pools ``[num_blocks, H, B, P]``, flat views of the scales and zero-points
+    ``[num_blocks, Hs, Ts, Cs]``, and their int64 spec vectors (``P_*``; a pool is contiguous within a block, its
+    blocks ``P_BST`` / ``P_SBST`` / ``P_ZBST`` elements apart); tail_keys, tail_values: the tails
+    ``[batch, H, B, D]`` as pools with passthrough specs (natural channel order, ``P_PER`` 1; ``P_BST``: elements
+    between sequences);
+    rows: :data:`Rows`; window: -1 for none; qscale: ``sm_scale * log2(e)``;
     items: from :func:`work_items`; kout, kidx: outlier key channels (see :func:`_attend`).
-    Writes the partial results pm, pl ``[n_items, G]`` (base-2 max, sum) and
-    pacc ``[n_items, G, D]`` (unnormalized output, natural channel order).
+    Writes the :data:`Partials` ``parts``: base-2 max and sum ``[n_items, G]``, unnormalized output
+    ``[n_items, G, D]`` in natural channel order.
     """
+    kp, vp = keys.p, values.p
+    tables, seq_lens, start_pos = rows
+    pm, pl, pacc = parts
     hq, d = q.shape[1], q.shape[2]
     g_n = hq // kv_heads
     bs = block_size
@@ -1809,10 +1834,10 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
         tailed = False  # the tail was attended: the item is the row's last
         while True:
             if multi:
-                _attend_runs(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs,
+                _attend_runs(keys, values, tables, b, items[it, 2], items[it, 3], n // bs,
                              n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
             else:
-                _attend(kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tables, b, items[it, 2], items[it, 3], n // bs, n,
+                _attend(keys, values, tables, b, items[it, 2], items[it, 3], n // bs, n,
                         lo, False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
                 for g in range(g_n):
@@ -1827,7 +1852,7 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
                                 acc[g, vper * j + k] = tmp[k * vdp + j]
                     natural = True
                 tailed = True
-                _attend(tailk, kscl, kzero, tpk, tailv, vscl, vzero, tpv, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
+                _attend(tail_keys, tail_values, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
                         bs, stn, kout, kidx)  # fmt: skip
             nx = take_item(runs, t)
             if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3] or tailed:
@@ -1850,19 +1875,41 @@ def work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk,
         it = nx
 
 
+@njit(nogil=True, fastmath=FASTMATH)
+def _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
+                seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+    """:func:`work` for thread ``t``, its arguments bundled from the flat ones the launchers take."""
+    work(t, runs, items, q, Pool(kpay, kscl, kzero, kp), Pool(vpay, vscl, vzero, vp),
+         Pool(tailk, kscl, kzero, tpk), Pool(tailv, vscl, vzero, tpv), Rows(tables, seq_lens, start_pos),
+         window, qscale, kv_heads, block_size, Partials(pm, pl, pacc), kout, kidx)  # fmt: skip
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
            start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`work` on ``n`` threads of numba's pool, thread ``t`` from ``0`` to ``n - 1`` (one iteration each;
     a thread that gets two runs them one after the other, and :func:`take_item` balances the items either way).
 
+    The arguments are flat (arrays and numbers: kpay/vpay the payload views, kscl/vscl and kzero/vzero the scale
+    and zero-point views, kp/vp the specs' parameter vectors, tailk/tailv and tpk/tpv the tails' views and
+    vectors, tables/seq_lens/start_pos the rows, pm/pl/pacc the partials): numba's dispatcher types an array in C
+    and a tuple in Python, element by element. Each thread bundles them (:func:`_run_thread`).
+
     One compiled call starts every thread, where a Python thread pool pays a dispatcher call per thread under
     the GIL and wakes threads that then wait for cores torch's own OpenMP workers still hold: on the 2-core
     development VM, int4 decode of 32 requests x ~450 tokens (3 kv heads, head_dim 64) right after a matrix
     product took 2.1 ms on a Python thread pool and 0.7 ms here (1.0 and 0.6 ms called on their own)."""
     for t in prange(n):
-        work(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
-             seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+        _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
+                    seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def launch_one(runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
+               start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+    """:func:`launch` on the calling thread alone (no parallel region: one run of items)."""
+    _run_thread(0, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
+                seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -27,8 +27,8 @@ from pathlib import Path
 __all__ = ["ENTRIES", "cache_dirs", "cold_entries", "compile_if_cold", "warm_up"]
 
 # (module file, compiled entry point): the functions whose first call compiles a kernel (``launch`` is the
-# decode kernel on several threads, ``work`` on one)
-ENTRIES = (("cpu_decode_numba.py", "work"), ("cpu_decode_numba.py", "launch"), ("cpu_chunk_numba.py", "chunk"))
+# decode kernel on several threads, ``launch_one`` on one)
+ENTRIES = (("cpu_decode_numba.py", "launch_one"), ("cpu_decode_numba.py", "launch"), ("cpu_chunk_numba.py", "chunk"))
 
 
 def cache_dirs(source: Path) -> list[Path]:
@@ -73,7 +73,7 @@ def _fresh_index(source: Path, entry: str) -> Path | None:
 
 
 def cold_entries() -> list[str]:
-    """The CPU kernel entry points numba's disk cache does not hold yet (``["cpu_decode_numba.work", ...]``; empty:
+    """The CPU kernel entry points numba's disk cache does not hold yet (``["cpu_decode_numba.launch", ...]``; empty:
     a run loads them instead of compiling). Cheap: a few ``stat`` calls, numba is not imported."""
     here = Path(__file__).parent
     return [f"{Path(f).stem}.{e}" for f, e in ENTRIES if _fresh_index(here / f, e) is None]
@@ -98,7 +98,7 @@ def warm_up() -> float:
     fmt = preset("int4").with_block_size(16)
     kv, _, _ = random_paged_kv(fmt, [2 * 16 + 5], kv_heads=1, head_dim=64, seed=0, sink=1)
     gen = torch.Generator().manual_seed(0)
-    decode_attention(torch.randn(1, 2, 64, generator=gen), kv, backend="cpu")  # one thread: work
+    decode_attention(torch.randn(1, 2, 64, generator=gen), kv, backend="cpu")  # one thread: launch_one
     chunk_attention(torch.randn(1, 3, 2, 64, generator=gen), kv, backend="cpu")
     threads = torch.get_num_threads()
     wide, _, _ = random_paged_kv(fmt, [48 * 16, 48 * 16], kv_heads=1, head_dim=64, seed=1, sink=1)
