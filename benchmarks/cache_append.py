@@ -1,6 +1,6 @@
 """Write-path cost of the paged cache: one decode step's append for every layer, and a prefill.
 
-    python benchmarks/cache_append.py [--layers 30] [--batch 8] [--steps 128] [--threads 1]
+    python benchmarks/cache_append.py [--layers 30] [--batch 8] [--steps 128] [--threads 1] [--rounds 3 --json out.json]
 
 Shapes: SmolLM2-135M (3 kv heads, head_dim 64) and a Llama-8B-like layer (8 kv heads, head_dim 128);
 formats fp16 (passthrough baseline), int8 and int4; fp16 tails. Each decode step appends one token per
@@ -18,12 +18,17 @@ prompt, so every 64th step seals a block in every row. Columns:
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
 
 from kvpack.cache import PagedKVCache
+from kvpack.fsutil import atomic_write_text
 from kvpack.quant import quantize
 
 SHAPES = {"smollm2 (3x64)": (3, 64), "llama-8b (8x128)": (8, 128)}
@@ -79,6 +84,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt", type=int, default=1000)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="measure every row this many times, alternated; medians")
+    p.add_argument("--json", help="write the rows (medians) and every round's here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -88,13 +95,26 @@ def main() -> None:
     print(
         f"{'shape':18} {'format':6} {'step':>7} {'mean':>7} {'seal':>8} {'quant':>8} {'views':>6} {'prefill tok/s':>14}"
     )
-    for shape, (h, d) in SHAPES.items():
-        for fmt in FORMATS:
-            r = bench(fmt, h, d, args.layers, args.batch, args.steps, args.prompt)
-            print(
-                f"{shape:18} {fmt:6} {r['median_us']:7.0f} {r['mean_us']:7.0f} {r['seal_us']:8.0f} "
-                f"{r['quant_us']:8.0f} {r['view_us']:6.0f} {r['prefill_tok_s']:14.0f}"
-            )
+    cases = [(shape, h, d, fmt) for shape, (h, d) in SHAPES.items() for fmt in FORMATS]
+    rounds = [
+        [{"shape": shape, "format": fmt, **bench(fmt, h, d, args.layers, args.batch, args.steps, args.prompt)}
+         for shape, h, d, fmt in cases]
+        for _ in range(args.rounds)
+    ]  # fmt: skip
+    rows = []
+    for i, (shape, _, _, fmt) in enumerate(cases):
+        r = {k: statistics.median(rnd[i][k] for rnd in rounds) for k in rounds[0][i] if k not in ("shape", "format")}
+        rows.append({"shape": shape, "format": fmt, **r})
+        print(
+            f"{shape:18} {fmt:6} {r['median_us']:7.0f} {r['mean_us']:7.0f} {r['seal_us']:8.0f} "
+            f"{r['quant_us']:8.0f} {r['view_us']:6.0f} {r['prefill_tok_s']:14.0f}"
+        )
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "json")
+        meta = {"command": f"python benchmarks/cache_append.py {flags}", "commit": commit,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__}  # fmt: skip
+        atomic_write_text(args.json, json.dumps({**meta, "rows": rows, "rounds": rounds}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
