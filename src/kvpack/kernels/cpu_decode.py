@@ -647,7 +647,7 @@ def thread_runs(items: np.ndarray, threads: int) -> np.ndarray:
     return _nb().split_runs(items, threads)
 
 
-def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.ndarray | None = None) -> None:
+def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple) -> None:
     """Run ``fn(t, runs, items, *args)`` on ``threads`` threads (the caller's is thread 0), once each.
 
     ``fn`` is compiled, releases the GIL and takes its items with :func:`cpu_decode_numba.take_item` from ``runs``
@@ -658,8 +658,7 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     the last items of the run with the most left, so a core that is busy with something else ends up doing
     less, and the threads finish within about one item of each other. One call per thread, not per slice:
     a numba call with this many arguments costs ~5-20 us under the GIL. Small calls run on the calling
-    thread alone. ``runs``: the threads' runs when the caller has them (:func:`cpu_decode_numba.prepare_launch`), one
-    thread per run.
+    thread alone.
 
     The decode kernel does not come through here: it runs on numba's own thread pool (:func:`cpu_decode_numba.launch`,
     one compiled call; :func:`cpu_decode_numba.launch_one` on one thread), whose threads take items the same way;
@@ -668,9 +667,8 @@ def run_items(fn: Any, items: np.ndarray, threads: int, args: tuple, runs: np.nd
     woken between torch's operators waits for a core that torch's own OpenMP workers still hold.
     """
     global _pool
-    if runs is None:
-        nbm = _nb()
-        runs = nbm.split_runs(items, nbm.run_count(items, threads, _SERIAL_BLOCKS))
+    nbm = _nb()
+    runs = nbm.split_runs(items, nbm.run_count(items, threads, _SERIAL_BLOCKS))
     threads = runs.shape[0]
     if threads == 1:
         fn(0, runs, items, *args)

@@ -1875,7 +1875,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
         it = nx
 
 
-@njit(nogil=True, fastmath=FASTMATH)
+@njit(nogil=True)
 def _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
                 seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`work` for thread ``t``, its arguments bundled from the flat ones the launchers take."""
