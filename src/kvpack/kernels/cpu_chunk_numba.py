@@ -393,8 +393,9 @@ def _exp2(x):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dequant_row(pay, scl, zero, sp, blk, h, t, bs, d, dst, do):
-    """Row ``t`` of head ``h`` in block ``blk`` of a pool (spec vector ``sp``), dequantized: ``dst[do : do + d]``."""
+def _row_codes(pay, sp, blk, h, t, bs, d, dst, do):
+    """Row ``t`` of head ``h`` in block ``blk`` of a pool (spec vector ``sp``) before its scales: ``dst[do : do + d]``
+    gets the codes as float32 (less the offset of offset-binary codes), or the values of a passthrough pool."""
     kind, per = sp[C_KIND], sp[C_PER]
     o = U64(blk) * U64(sp[C_BST]) + (U64(h) * U64(bs) + U64(t)) * U64(sp[C_ROW])
     ud = U64(d)
@@ -432,6 +433,13 @@ def _dequant_row(pay, scl, zero, sp, blk, h, t, bs, d, dst, do):
         for c in range(ud):
             byte = np.int32(p8[o + c // upr])
             dst[udo + c] = np.float32((byte >> (bits * np.int32(c % upr))) & mask) - off
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _row_scales(scl, zero, sp, blk, h, t, d, srow, zrow):
+    """The scale and zero-point (0 without) of each channel of row ``t`` of head ``h`` in block ``blk``: ``srow``,
+    ``zrow`` ``[d]`` float32. Scales constant over a block's tokens (``Ts == 1``) are the same for every row: a
+    caller decodes them once per block."""
     hs, ts, cs = sp[C_HS], sp[C_TS], sp[C_CS]
     so = U64(blk) * U64(sp[C_SBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t if ts > 1 else 0) * U64(cs)
     zo = U64(blk) * U64(sp[C_ZBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t if ts > 1 else 0) * U64(cs)
@@ -440,19 +448,21 @@ def _dequant_row(pay, scl, zero, sp, blk, h, t, bs, d, dst, do):
     for grp in range(U64(cs)):
         s = _scale_value(scl, skind, so + grp)
         z = _scale_value(zero, zkind, zo + grp) if zkind != SC_NONE else _ZERO
-        base = udo + grp * span
+        base = grp * span
         for c in range(span):
-            dst[base + c] = dst[base + c] * s + z
+            srow[base + c] = s
+            zrow[base + c] = z
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def _fill_block(role_key, pay, scl, zero, sp, kout, kidx, tab, b, h, j, nsealed, bs, d, sink, sink_rows, tail,
-                dst, row0, ld):  # fmt: skip
+                dst, row0, ld, srow, zrow):  # fmt: skip
     """The ``bs`` rows of block ``j`` of sequence ``b`` (head ``h``) into ``dst[(row0 + i) * ld ...]``.
 
     Sealed blocks are dequantized (outlier residuals added to keys; the sink rows replace positions below
     ``sink``; a released block, id 0, gives zeros); block ``nsealed`` is the tail (``tail`` ``[batch, H, B, D]``
-    float32), of which only the first ``n - nsealed * bs`` rows are read by the caller."""
+    float32), of which only the first ``n - nsealed * bs`` rows are read by the caller. ``srow``, ``zrow``: ``[d]``
+    float32 scratch for the rows' scales and zero-points."""
     if j >= nsealed:
         for i in range(bs):
             o = U64((row0 + i) * ld)
@@ -466,8 +476,20 @@ def _fill_block(role_key, pay, scl, zero, sp, kout, kidx, tab, b, h, j, nsealed,
             for c in range(U64(d)):
                 dst[o + c] = _ZERO
         return
+    flt = sp[C_KIND] == FLT
+    per_row = sp[C_TS] > 1  # per-token scales; otherwise the block's scales are decoded once, not once per row
+    if not (flt or per_row):
+        _row_scales(scl, zero, sp, blk, h, 0, d, srow, zrow)
+    ud = U64(d)
     for i in range(bs):
-        _dequant_row(pay, scl, zero, sp, blk, h, i, bs, d, dst, (row0 + i) * ld)
+        o = U64((row0 + i) * ld)
+        _row_codes(pay, sp, blk, h, i, bs, d, dst, o)
+        if flt:
+            continue
+        if per_row:
+            _row_scales(scl, zero, sp, blk, h, i, d, srow, zrow)
+        for c in range(ud):
+            dst[o + c] = dst[o + c] * srow[c] + zrow[c]
     nout = sp[C_NOUT]
     if role_key and nout > 0:
         heads = tail.shape[1]
@@ -607,8 +629,10 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
     hi = np.empty(rp, np.int64)
     kf = np.zeros((nkp, dp), np.float32)
     vf = np.zeros((nkp, dp), np.float32)
-    kx = np.zeros(k2q * nkp, np.uint32)
-    vx = np.zeros(nkp // 2 * dp, np.uint32)
+    kx = np.empty(k2q * nkp, np.uint32)  # every word a step uses is written by _split_keys / _pair_values
+    vx = np.empty(nkp // 2 * dp, np.uint32)
+    srow = np.empty(d, np.float32)  # a block row's scales and zero-points, one per channel
+    zrow = np.empty(d, np.float32)
     kflat = kf.reshape(-1)
     vflat = vf.reshape(-1)
     st = np.int64(start_pos[b]) if start_pos.shape[0] > 0 else np.int64(0)
@@ -645,34 +669,37 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
             for j in range(ja, jb):
                 rows_j = bs if j < nsealed else n - nsealed * bs
                 _fill_block(True, kpay, kscl, kzero, kp, kout, kidx, tables, b, h, j, nsealed, bs, d, sink,
-                            sinkk, tailk, kflat, nvalid, dp)  # fmt: skip
+                            sinkk, tailk, kflat, nvalid, dp, srow, zrow)  # fmt: skip
                 _fill_block(False, vpay, vscl, vzero, vp, kout, kidx, tables, b, h, j, nsealed, bs, d, sink,
-                            sinkv, tailv, vflat, nvalid, dp)  # fmt: skip
+                            sinkv, tailv, vflat, nvalid, dp, srow, zrow)  # fmt: skip
                 nvalid += rows_j
-            for i in range(nvalid, nkp):  # rows past the valid ones (a short tail): zeros, not garbage
+            # the step's width: its valid positions in whole lane groups (a short step, such as the tail's, costs
+            # its own positions, not a full step's); buffers keep their nkp-wide allocation
+            nk = max(NL, -(-nvalid // NL) * NL)
+            for i in range(nvalid, nk):  # rows past the valid ones (a short tail): zeros, not garbage
                 for c in range(dp):
                     kf[i, c] = _ZERO
                     vf[i, c] = _ZERO
-            _split_keys(kf, nkp, dp, kx, packed)
-            _pair_values(vf, nkp, dp, vx, packed)
+            _split_keys(kf, nk, dp, kx, packed)
+            _pair_values(vf, nk, dp, vx, packed)
             p0 = ja * bs
-            for m0 in range(0, rp, mr):  # one row tile at a time: scores [mr, nkp], softmax, weights x values
-                for n0 in range(0, nkp, NL):
+            for m0 in range(0, rp, mr):  # one row tile at a time: scores [mr, nk], softmax, weights x values
+                for n0 in range(0, nk, NL):
                     if packed:
                         _gemm(sflat, n0, qx, m0 * k2q, kx, n0 * k2q, k2q, k2q, nkp, k2u, 1)
                     else:
-                        _gemm(sflat, n0, qx, m0 * k2q, kx, n0, k2q, nkp, nkp, k2u, 1)
+                        _gemm(sflat, n0, qx, m0 * k2q, kx, n0, k2q, nk, nkp, k2u, 1)
                 m1 = min(m0 + mr, nr)
                 for r in range(m0, m1):
-                    _softmax_step(sc, r - m0, r, max(lo[r] - p0, 0), min(hi[r] - p0 + 1, nvalid), nkp, scale, mrow,
+                    _softmax_step(sc, r - m0, r, max(lo[r] - p0, 0), min(hi[r] - p0 + 1, nvalid), nk, scale, mrow,
                                   lrow, pw16, acc, dp)  # fmt: skip
-                for i in range(U64(max(m1 - m0, 0)) * U64(nkp), U64(mr * nkp)):  # padding rows weigh nothing
+                for i in range(U64(max(m1 - m0, 0)) * U64(nk), U64(mr * nk)):  # padding rows weigh nothing
                     pw16[i] = np.uint16(0)
                 for c0 in range(0, dp, NL):
                     if packed:
-                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0 * (nkp // 2), nkp // 2, nkp // 2, dp, nkp // 2, 0)
+                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0 * (nk // 2), nk // 2, nk // 2, dp, nk // 2, 0)
                     else:
-                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0, nkp // 2, dp, dp, nkp // 2, 0)
+                        _gemm(aflat, m0 * dp + c0, pw, 0, vx, c0, nk // 2, dp, dp, nk // 2, 0)
             ja = jb
     for r in range(nr):
         t = (r0 + r) // group
