@@ -34,8 +34,8 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 # Query rows (t * G + g) per work item: each sealed block is dequantized once per item, so more rows share
-# one dequantization (at 384 rows the dequantization was a third of the time); fewer leave more items for the
-# threads. Rows are padded to the product's row tile (6, or 32 on the AMX unit).
+# one dequantization (a 512-token chunk over 4k, 32 q / 8 kv heads: 384 rows took 1.3x the time of 1024, 192 rows
+# 1.7x); fewer leave more items for the threads. Rows are padded to the product's row tile (6, or 32 on AMX).
 ROWS_PER_TILE = 1024
 # Positions per softmax step (whole blocks, at least one): one rescale per step; the scores and weights are held
 # for one register tile of rows at a time, so 1024 rows x 256 positions need ~1.8 MiB of scratch per thread.
