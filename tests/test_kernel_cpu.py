@@ -306,6 +306,11 @@ def test_int_path_is_chosen_for_int_and_fp8_codes_only(monkeypatch: pytest.Monke
     p_dot = cpu_decode._nb().P_DOT
     assert cpu_decode._params(odd.format.key, odd, odd.k_data, "key")[p_dot] == 0  # rows come 4 at a time
     assert cpu_decode._params(odd.format.value, odd, odd.v_data, "value")[p_dot] > 0  # and 2 at a time
+    # 2-bit rows at head_dim 64 are 16 bytes: values take the value loop's narrow variant (test_presets_match_reference
+    # runs it: k4v2 and kivi2 at head_dim 64), keys stay on the float path (the key loop reads 32-byte pieces)
+    two, _, _ = random_paged_kv(PRESETS["kivi2"].with_block_size(16), [40], kv_heads=1, head_dim=64)
+    assert cpu_decode._params(two.format.value, two, two.v_data, "value")[p_dot] > 0
+    assert cpu_decode._params(two.format.key, two, two.k_data, "key")[p_dot] == 0
     if fp8_int:  # fp8's 12-bit codes leave the query 11 bits at head_dim 512 (still the integer path), 10 at 1024
         wide, _, _ = random_paged_kv(PRESETS["fp8-plain"].with_block_size(16), [40], kv_heads=1, head_dim=512)
         assert cpu_decode._params(wide.format.key, wide, wide.k_data, "key")[p_dot] == 2049  # 2**31 // (512 * 2047)

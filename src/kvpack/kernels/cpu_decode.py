@@ -382,8 +382,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: Role) -> int:
 
     Keys: the scale must be constant over a block's tokens (it is folded into the query), rows in whole
     32-byte pieces, block_size a multiple of 4; the ``head_dim`` products of one score must not overflow
-    int32. Values: rows in pairs of 32-byte pieces, block_size even, scale groups of whole 16-byte runs
-    (8-byte runs for 2-bit codes);
+    int32. Values: rows in pairs of 32-byte pieces (or one 16-byte piece of 2-bit codes: head_dim 64), block_size
+    even, scale groups of whole 16-byte runs (8-byte runs for 2-bit codes);
     the ``block_size`` products of one channel must not overflow int32. Where that bound leaves the
     operand fewer than 11 bits (:data:`_MIN_INT_LIMIT`: fp8's 12-bit codes past head_dim 512, block 512+),
     the float path is more accurate and serves instead."""
@@ -403,7 +403,8 @@ def _int_dot_limit(spec: QuantSpec, kind: int, kv: PagedKV, role: Role) -> int:
         lim = min(32767, _I32_MAX // (d * cmax))
     else:
         run = _ir.value_run(per)  # the value loop's weight groups: 16-byte runs, 8 for 2-bit codes
-        if b % 2 or dp % 32 or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % run)):
+        narrow = per == 4 and dp == 16  # 2-bit rows at head_dim 64: the loop's 16-byte variant
+        if b % 2 or (dp % 32 and not narrow) or (d // 32) % 2 or (cs > 1 and (dp % cs or (dp // cs) % run)):
             return 0
         lim = min(32767, _I32_MAX // ((b + 1) * cmax))
     return lim if lim >= _MIN_INT_LIMIT else 0

@@ -323,7 +323,8 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
              "  %off16 = trunc i64 %off to i16",
              "  %offv.i = insertelement <32 x i16> poison, i16 %off16, i64 0",
              f"  %offv = shufflevector <32 x i16> %offv.i, <32 x i16> poison, {_ir_mask([0] * 32)}",
-             "  br label %unit",
+             "  %narrow = icmp ult i64 %dp, 32" if per == 4 else "  %narrow = or i1 false, false",
+             "  br i1 %narrow, label %nstart, label %unit",
              "unit:",
              "  %ui = phi i64 [0, %entry], [%ui.next, %unit.end]",
              "  %u.x = mul i64 %ui, 2"]  # fmt: skip
@@ -378,8 +379,75 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
                           f"  %s{n} = fadd <16 x float> %o{n}, %m{n}",
                           f"  store <16 x float> %s{n}, ptr %p{n}, align 4"]  # fmt: skip
     lines += ["  %ui.next = add i64 %ui, 1", "  %uc.n = mul i64 %ui.next, 2", "  %uc = icmp ult i64 %uc.n, %nu",
-              "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void", "}"]  # fmt: skip
+              "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void"]  # fmt: skip
+    _vdot_narrow(lines, kind, isa)
+    lines.append("}")
     return "\n".join(lines) + "\n" + _ir_decl(isa) + _IR_PREFETCH + _ir_lut_decl(kind, isa)
+
+
+def _vdot_narrow(lines: list[str], kind: int, isa: str) -> None:
+    """The value loop of :func:`_vdot_ir` for 2-bit rows of 16 bytes (head_dim 64), from label ``nstart``: the
+    wide loop reads rows in 32-byte pieces. Each row pair is loaded once, and each of its four planes (16
+    channels of both rows, interleaved word by word) is one ``vpdpwssd`` per head: 4 heads x 4 planes = 16
+    accumulators. Bytes 0-7 and 8-15 take the weights of their own value groups, as the wide loop's halves do.
+    Other kinds never branch here (``%narrow`` is false)."""
+    per, _ = _INT_KINDS[kind]
+    if per != 4:
+        lines += ["nstart:", "  ret void"]
+        return
+    inter = [i // 2 + (16 if i % 2 else 0) for i in range(32)]  # words of x and y, interleaved
+    lines += ["nstart:",
+              "  %n.offi = insertelement <16 x i16> poison, i16 %off16, i64 0",
+              f"  %n.off = shufflevector <16 x i16> %n.offi, <16 x i16> poison, {_ir_mask([0] * 16)}",
+              "  %n.gb = udiv i64 8, %span",  # the group of bytes 8-15 (bytes 0-7: group 0)
+              "  %n.gob = mul i64 %n.gb, %wgrp",
+              "  br label %nloop",
+              "nloop:",
+              "  %n.pi = phi i64 [0, %nstart], [%n.pi.next, %nloop]"]  # fmt: skip
+    for n in range(16):  # accumulator n: head n // 4, plane n % 4
+        lines.append(f"  %n.a{n} = phi <16 x i32> [zeroinitializer, %nstart], [%n.a{n}.d, %nloop]")
+    lines += ["  %n.ro = mul i64 %n.pi, %rs2", "  %n.r0p = getelementptr i8, ptr %v, i64 %n.ro",
+              "  %n.r1p = getelementptr i8, ptr %n.r0p, i64 %rs",
+              "  %n.x0.b = load <16 x i8>, ptr %n.r0p, align 1", "  %n.x1.b = load <16 x i8>, ptr %n.r1p, align 1",
+              "  %n.x0.w = zext <16 x i8> %n.x0.b to <16 x i16>", "  %n.x1.w = zext <16 x i8> %n.x1.b to <16 x i16>",
+              "  %n.wo = mul i64 %n.pi, 4", "  %n.wp = getelementptr i8, ptr %w, i64 %n.wo"]  # fmt: skip
+    for g in range(4):
+        wg = f"%n.wg{g}"
+        lines += [f"  {wg}.r = mul i64 %wld, {g}", f"  {wg}.p = getelementptr i8, ptr %n.wp, i64 {wg}.r",
+                  f"  {wg}.s = load i32, ptr {wg}.p, align 2", f"  {wg}.ob = add i64 %n.gob, {wg}.r",
+                  f"  {wg}.pb = getelementptr i8, ptr %n.wp, i64 {wg}.ob", f"  {wg}.sb = load i32, ptr {wg}.pb, align 2",
+                  f"  {wg}.i = insertelement <16 x i32> poison, i32 {wg}.s, i64 0",
+                  f"  {wg}.ib = insertelement <16 x i32> {wg}.i, i32 {wg}.sb, i64 1",
+                  f"  {wg}.v = shufflevector <16 x i32> {wg}.ib, <16 x i32> poison, {_ir_mask([0] * 8 + [1] * 8)}",
+                  f"  {wg} = bitcast <16 x i32> {wg}.v to <32 x i16>"]  # fmt: skip
+    for k in range(4):
+        for r in range(2):
+            x = f"%n.x{r}p{k}"
+            lines += [f"  {x}.s = lshr <16 x i16> %n.x{r}.w, {_ir_vec('i16', [2 * k] * 16)}",
+                      f"  {x}.m = and <16 x i16> {x}.s, {_ir_vec('i16', [3] * 16)}",
+                      f"  {x} = sub <16 x i16> {x}.m, %n.off"]  # fmt: skip
+        xy = f"%n.xy{k}"
+        lines.append(f"  {xy} = shufflevector <16 x i16> %n.x0p{k}, <16 x i16> %n.x1p{k}, {_ir_mask(inter)}")
+        for g in range(4):
+            n = g * 4 + k
+            _ir_dot(lines, f"%n.a{n}.d", f"%n.a{n}", xy, f"%n.wg{g}", isa)
+    lines += ["  %n.pi.next = add i64 %n.pi, 1", "  %n.pc = icmp ult i64 %n.pi.next, %npairs",
+              "  br i1 %n.pc, label %nloop, label %nend", "nend:"]  # fmt: skip
+    for g in range(4):
+        lines += [f"  %n.wi{g} = extractelement <4 x float> %wi4, i64 {g}",
+                  f"  %n.wiv{g}.i = insertelement <16 x float> poison, float %n.wi{g}, i64 0",
+                  f"  %n.wiv{g} = shufflevector <16 x float> %n.wiv{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}",
+                  f"  %n.ab{g} = mul i64 %ld, {g}"]  # fmt: skip
+        for k in range(4):  # plane-order channel of plane k: k * dp
+            n = g * 4 + k
+            lines += [f"  %n.f{n} = sitofp <16 x i32> %n.a{n}.d to <16 x float>",
+                      f"  %n.cb{n} = mul i64 %dp, {k}", f"  %n.c{n} = add i64 %n.ab{g}, %n.cb{n}",
+                      f"  %n.p{n} = getelementptr float, ptr %acc, i64 %n.c{n}",
+                      f"  %n.o{n} = load <16 x float>, ptr %n.p{n}, align 4",
+                      f"  %n.m{n} = fmul <16 x float> %n.f{n}, %n.wiv{g}",
+                      f"  %n.s{n} = fadd <16 x float> %n.o{n}, %n.m{n}",
+                      f"  store <16 x float> %n.s{n}, ptr %n.p{n}, align 4"]  # fmt: skip
+    lines.append("  ret void")
 
 
 def _vdot_pass(lines: list[str], sfx: str, one: bool, kind: int, isa: str) -> None:
