@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpack.integrations.vllm.engine import run_engine
 
-__all__ = ["PROVIDERS", "Row", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
+__all__ = ["PROVIDERS", "Row", "base_job", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
 
 # (row name, kvpack format or None, vLLM kv_cache_dtype)
 PROVIDERS = {
@@ -67,22 +67,22 @@ def workload(ids: list[int], requests: int, prefix: int, extra: tuple[int, int],
     return [ids[:prefix] + ids[s : s + n] for s, n in zip(starts.tolist(), lens.tolist())]
 
 
-def run(
-    providers: list[str] | None = None,
+def base_job(
     quick: bool = False,
     model: str | None = None,
     kv_mib: int | None = None,
     max_num_seqs: int | None = None,
     kernel: str = "auto",
-) -> list[Row]:
-    """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
+) -> dict[str, Any]:
+    """The engine job every provider of a run shares (:mod:`kvpack.integrations.vllm.engine`): the workload's
+    prompts, limits and KV space; a provider adds its keys (:func:`provider_job`)."""
     from kvpack.models.embedded import ensure_converted
 
     cfg = QUICK if quick else FULL
     path = str(model or ensure_converted())
     prompts = workload(prose_token_ids(path), cfg["requests"], cfg["prefix"], cfg["extra"])
     longest = max(len(p) for p in prompts) + cfg["max_tokens"]
-    base: dict[str, Any] = {
+    return {
         "model": path,
         "prompts": prompts,
         "max_tokens": cfg["max_tokens"],
@@ -93,6 +93,18 @@ def run(
         "kernel": kernel,
         "warmup_requests": 4,  # decode on several threads compiles in the warm-up, not in the timing
     }
+
+
+def run(
+    providers: list[str] | None = None,
+    quick: bool = False,
+    model: str | None = None,
+    kv_mib: int | None = None,
+    max_num_seqs: int | None = None,
+    kernel: str = "auto",
+) -> list[Row]:
+    """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
+    base = base_job(quick, model, kv_mib, max_num_seqs, kernel)
     rows, reference = [], None
     for name in providers or list(PROVIDERS):
         res = run_engine({**base, **provider_job(name)})

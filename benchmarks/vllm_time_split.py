@@ -1,0 +1,102 @@
+"""Where a kvpack format's attention time goes inside vLLM: one provider of ``kvpack bench vllm`` run in this
+process, with timers around the parts of each layer's step (the engine's warm-up left out).
+
+    python benchmarks/vllm_time_split.py --format int4            # the quick workload
+    python benchmarks/vllm_time_split.py --format int8 --full     # the default (longer) workload
+
+Prints, per part, its total seconds, its calls and microseconds per call: the whole attention layer
+(``forward``), its writes (``write``: the seals, of which the compiled gathering and quantization, and the tail
+rows), its reads (``attend``: the decode and chunk kernels' calls and the page views). A timer costs about a
+microsecond per call; the engine's own throughput line is printed too, for the provider's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import os
+import sys
+import time
+from typing import Any
+
+TOTALS: collections.defaultdict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def _timed(owner: Any, attr: str, name: str) -> None:
+    fn = getattr(owner, attr)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - t0
+            CALLS[name] += 1
+
+    setattr(owner, attr, wrapper)
+
+
+def _install() -> None:
+    from kvpack.integrations.vllm import backend, engine, layer
+    from kvpack.kernels import cpu_seal
+
+    _timed(backend.KVPackAttentionImpl, "forward", "forward")
+    _timed(layer.PagedLayer, "write", "write")
+    _timed(layer.PagedLayer, "_seal", "write: seal")
+    _timed(cpu_seal, "gather_blocks", "write: seal: gather (compiled)")
+    _timed(cpu_seal, "seal_blocks", "write: seal: quantize (compiled)")
+    _timed(layer.PagedLayer, "attend", "attend")
+    _timed(layer, "run_backend", "attend: decode kernel")
+    _timed(layer, "run_chunk_backend", "attend: chunk kernel")
+    _timed(layer.PagedLayer, "view", "attend: views")
+    instrument = engine._instrument
+
+    def after_warmup(*args: Any) -> None:  # the engine counts from here: so do the timers
+        TOTALS.clear()
+        CALLS.clear()
+        instrument(*args)
+
+    engine._instrument = after_warmup
+
+
+def _report(result_line: str | None) -> None:
+    width = max(map(len, TOTALS), default=10)
+    for name in sorted(TOTALS):
+        per = 1e6 * TOTALS[name] / max(CALLS[name], 1)
+        print(f"{name:<{width}}  {TOTALS[name]:7.3f} s  {CALLS[name]:6d} calls  {per:8.1f} us/call", file=sys.stderr)
+    if result_line:
+        res = json.loads(result_line)
+        print(f"wall {res['wall_s']:.2f} s, {res['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", default="int4", help="a kvpack format (default int4)")
+    ap.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
+    args = ap.parse_args()
+    from kvpack.bench.vllm import base_job, provider_job
+    from kvpack.integrations.vllm import engine
+
+    job = {**base_job(quick=not args.full), **provider_job(args.format)}
+    _install()
+    sys.stdin = io.StringIO(json.dumps(job))
+    out = io.StringIO()
+    stdout, sys.stdout = sys.stdout, out
+    exit_ = os._exit
+
+    def report_and_exit(code: int) -> None:  # the engine ends with os._exit, past any atexit hook
+        sys.stdout = stdout
+        lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("{")]
+        _report(lines[-1] if lines else None)
+        sys.stderr.flush()
+        exit_(code)
+
+    os._exit = report_and_exit
+    engine._main()
+
+
+if __name__ == "__main__":
+    main()
