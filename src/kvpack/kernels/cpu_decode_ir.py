@@ -5,9 +5,10 @@ with explicit ``<32 x i16>`` / ``<16 x i32>`` vectors, linked into the compiled 
 int16 words and multiplied with int16 operands (the folded query, or the attention weights) by ``vpdpwssd``
 (AVX-512 VNNI: 32 multiply-adds per instruction, exact int32 sums); without VNNI the same IR uses ``vpmaddwd``
 + add (AVX-512 BW), without AVX-512 a portable multiply + pairwise add that LLVM lowers for the target. The
-launcher picks the integer path only on AVX-512 BW machines (the float path otherwise). A packed row is read 32
-bytes at a time: bytes -> words (sign- or zero-extended), then plane ``k`` (``(word >> bits * k) & mask``)
-holds the codes of channels ``per * j + k`` for the 32 bytes ``j``.
+launcher picks the integer path on AVX-512 BW and AVX2 machines (``cpu_decode.int_dot_isa``), the float path
+elsewhere. A packed row is read 32 bytes at a time (a 2-bit value row of 16 bytes, head_dim 64, whole, by the value
+loop's narrow variant :func:`_vdot_narrow`): bytes -> words (sign- or zero-extended), then plane ``k``
+(``(word >> bits * k) & mask``) holds the codes of channels ``per * j + k`` for the bytes ``j``.
 
 :mod:`kvpack.kernels.cpu_decode_numba` links the generated functions into its loops (``_simd_function``).
 numba's disk cache is invalidated by the cached function's own source file only, so that module holds this
