@@ -40,7 +40,7 @@ EXPECTED_BITS = {
     # keys: an fp16 scale and an fp16 midpoint per channel per block (the rotation is a function of head_dim);
     # values: one fp16 scale per head per block
     "fp8": Fraction(8) + Fraction(H * D * 2 * 16 + H * 16, 2 * H * B * D),
-    "int8": Fraction(8.3125),  # 8.1875 with symmetric keys, + an fp16 zero-point per key channel per block
+    "int8": Fraction(8.375),  # 8.1875 symmetric, + fp16 zero-points per key channel per block and per value token
     "int4": Fraction(4.75),
     "int4-o4": Fraction(4.75) + Fraction(H * B * 4 * 16 + H * 4 * 8, 2 * H * B * D),  # int4 + 4 fp16 residuals
     "k8v4": Fraction(6.625),
@@ -72,10 +72,10 @@ def test_int4_g32_is_exactly_five_bits() -> None:
 
 
 def test_block_bytes_counted_by_hand() -> None:
-    # int8: keys uint8 [8, 64, 128] + per-channel fp16 scales and zero-points [8, 1, 128] each; values int8 +
-    # per-token fp16 scales [8, 64, 1]
-    assert PRESETS["int8"].block_bytes(H, D) == (8 * 64 * 128 + 8 * 128 * (2 + 2)) + (8 * 64 * 128 + 8 * 64 * 2)
-    assert PRESETS["int8"].block_bytes(H, D) == 136_192
+    # int8: keys uint8 [8, 64, 128] + per-channel fp16 scales and zero-points [8, 1, 128] each; values uint8 +
+    # per-token fp16 scales and zero-points [8, 64, 1] each
+    assert PRESETS["int8"].block_bytes(H, D) == (8 * 64 * 128 + 8 * 128 * (2 + 2)) + (8 * 64 * 128 + 8 * 64 * (2 + 2))
+    assert PRESETS["int8"].block_bytes(H, D) == 137_216
     # int4 (asym): keys 4-bit [8, 64, 64 bytes] + scale and zero per channel; values 4-bit + scale and zero
     # per token per group of 32 (4 groups)
     keys = 8 * 64 * 64 + 8 * 128 * (2 + 2)
@@ -225,8 +225,8 @@ def test_custom_round_trip(text: str) -> None:
 def test_parse_defaults_and_aliases() -> None:
     f = parse_format("k=int8,v=int8")  # keys per channel, values per token, int8 symmetric, fp16 scales, no sink
     assert f.key == QuantSpec(DType.INT8, PerChannel()) and f.value == QuantSpec(DType.INT8, PerToken())
-    assert f.sink == 0 and f != PRESETS["int8"].with_sink(0)  # the preset's keys carry zero-points
-    f = parse_format("k=int8:asym,v=int8,sink=1")  # spelled with the preset's fields and sink: the preset, by name
+    assert f.sink == 0 and f != PRESETS["int8"].with_sink(0)  # the preset's keys and values carry zero-points
+    f = parse_format("k=int8:asym,v=int8:asym,sink=1")  # spelled with the preset's fields and sink: the preset
     assert f == PRESETS["int8"] and f.name == "int8"
     f = parse_format("kv=int4")
     assert f.key.granularity == PerChannel() and f.value.granularity == PerToken()
@@ -235,7 +235,7 @@ def test_parse_defaults_and_aliases() -> None:
     assert parse_format("kv=e5m2").key.dtype is DType.FP8_E5M2
     assert parse_format("kv=int4:group32").key.granularity == PerGroup(32)
     assert parse_format("kv=int4:fp8").key.scale_dtype is ScaleDType.E8M0
-    assert parse_format("key=int8:channel:asym,values=int8:token,block_size=64,sink=1") == PRESETS["int8"]
+    assert parse_format("key=int8:channel:asym,values=int8:token:asym,block_size=64,sink=1") == PRESETS["int8"]
 
 
 def test_block_size_variants() -> None:
@@ -254,7 +254,7 @@ def test_formats_are_frozen_and_hashable() -> None:
         f.block_size = 32  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.key.symmetric = False  # type: ignore[misc]
-    assert len({parse_format("int8"), parse_format("k=int8:asym,v=int8,sink=1"), PRESETS["int4"]}) == 2
+    assert len({parse_format("int8"), parse_format("k=int8:asym,v=int8:asym,sink=1"), PRESETS["int4"]}) == 2
     assert len({parse_format("int8"), parse_format("int8,sink=0")}) == 2  # the sink is part of the format
 
 
@@ -325,7 +325,7 @@ def test_spec_validation_in_post_init() -> None:
         KVFormat(PRESETS["int8"].key, PRESETS["int8"].value, block_size=0)
     with pytest.raises(FormatError):
         PerGroup(-4)
-    assert math.isclose(PRESETS["int8"].bytes_per_token(H, D), 136_192 / 64)
+    assert math.isclose(PRESETS["int8"].bytes_per_token(H, D), 137_216 / 64)
 
 
 @pytest.mark.parametrize("text", ["int4,sink=1,sink=2", "int4,block=16,block_size=32", "k=int8,kv=int8,v=int8",

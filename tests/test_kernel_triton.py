@@ -220,9 +220,11 @@ def test_default_splits_fill_the_machine_without_tiny_splits():
     kv, _, _ = random_paged_kv(fmt, [16 * 40], kv_heads=1, head_dim=16)
     assert td.default_num_splits(kv) == 10  # 2 "SMs" on the CPU: 16 per SM wants 32, 40 blocks allow 10
     assert td.default_num_splits(kv, window=40) == 1  # a short window reads 4 blocks at most
+    # KIND 2: int8's values are uint8 codes above a per-token zero-point
     assert td.spec_constants(fmt.value, 2, 16, 64) == {
-        "KIND": 1, "BITS": 8, "PER": 1, "SCALE": 3, "CGROUP": 64, "E8M0": False
+        "KIND": 2, "BITS": 8, "PER": 1, "SCALE": 3, "CGROUP": 64, "E8M0": False
     }  # fmt: skip
+    assert td.spec_constants(parse_format("k=int8,v=int8").value, 2, 16, 64)["KIND"] == 1  # symmetric int8
 
 
 # ---- the kernels build for Hopper (sm_90) with Triton's own ptxas, without register spills

@@ -94,15 +94,15 @@ def test_tail_is_counted_honestly() -> None:
     (row,) = p.rows
     tail = 2 * 8 * 64 * 128 * 2
     sink = 2 * 8 * 1 * 128 * 2
-    assert row.total_bytes == 80 * (128 * 136_192 + tail + sink)
+    assert row.total_bytes == 80 * (128 * 137_216 + tail + sink)
     assert row.sink_bytes_per_sequence == 80 * sink
     assert row.total_bytes > row.bytes_per_token * 8192  # the pure per-token rate leaves the tail out
     # a context one token short of a block boundary: 127 sealed blocks, 63 tokens in the tail
     p = estimate(ModelShape("m", 80, 8, 128), context=8191, batch=3, formats=[PRESETS["int8"]])
-    assert p.rows[0].total_bytes == 3 * 80 * (127 * 136_192 + tail + sink)
+    assert p.rows[0].total_bytes == 3 * 80 * (127 * 137_216 + tail + sink)
     # without the sink: blocks and tail only
     p = estimate(ModelShape("m", 80, 8, 128), context=8192, batch=1, formats=[parse_format("int8,sink=0")])
-    assert p.rows[0].total_bytes == 80 * (128 * 136_192 + tail) and p.rows[0].sink_bytes_per_sequence == 0
+    assert p.rows[0].total_bytes == 80 * (128 * 137_216 + tail) and p.rows[0].sink_bytes_per_sequence == 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_parse_formats() -> None:
     custom = parse_formats(["k=int8,v=int4:g32,block=32", "int8,block=32", "int8"])
     assert [f.block_size for f in custom] == [32, 32, 64]
     assert custom[0].value.granularity.name == "g32"
-    assert len(parse_formats(["int8", "int8", "k=int8:asym,v=int8,sink=1"])) == 1  # duplicates collapse
+    assert len(parse_formats(["int8", "int8", "k=int8:asym,v=int8:asym,sink=1"])) == 1  # duplicates collapse
     assert len(parse_formats(["int8", "k=int8,v=int8"])) == 2  # a custom string has no sink unless it says so
     assert len(parse_formats(["all"])) == len(PRESETS)
     with pytest.raises(FormatError, match="presets are"):

@@ -600,10 +600,13 @@ _LAYOUTS: dict[str, KVFormat] = {
         _spec(DType.FP8_E4M3, PerHead(), outliers=4), _spec(DType.FP8_E4M3, PerHead()), 64, name="fp8-o4"
     ),
     # int8 keys per channel with a zero-point per channel and block: keys carry per-channel offsets (a k_proj
-    # bias, RoPE's low-frequency pairs), on which symmetric codes spend up to half their range. +0.25 bits on
-    # keys (8.375 in all); on the embedded model greedy continuations identical to full precision go from 79%
-    # to 94% of 48 prompts (docs/quality.md).
-    "int8": KVFormat(_spec(DType.INT8, PerChannel(), sym=False), _spec(DType.INT8, PerToken()), 64, name="int8"),
+    # bias, RoPE's low-frequency pairs), on which symmetric codes spend up to half their range (+0.25 bits on
+    # keys); values per token with a zero-point per token: some families' value rows carry an offset too
+    # (Gemma 3: KL 1.1e-3 -> 6.3e-4), +16 bits per token. 8.375 bits at 8 kv heads x 128, 8.5 at 3 x 64
+    # (docs/quality.md).
+    "int8": KVFormat(
+        _spec(DType.INT8, PerChannel(), sym=False), _spec(DType.INT8, PerToken(), sym=False), 64, name="int8"
+    ),
     "int4": KVFormat(
         _spec(DType.INT4, PerChannel(), sym=False), _spec(DType.INT4, PerGroup(32), sym=False), 64, name="int4"
     ),
