@@ -15,12 +15,10 @@ the first format in every round.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from kvpack.bench.decode import DecodeConfig, _make_case, build_paged_kv, cycle_blocks
+from kvpack.bench.decode import DecodeConfig, _make_case, ab_report, ab_round, build_paged_kv, cycle_blocks
 from kvpack.kernels import decode_attention
 
 
@@ -41,29 +39,16 @@ def main() -> None:
         if args.hot_blocks:
             cycle_blocks(kv, args.hot_blocks)
     out = torch.empty_like(case.q)
-    per_call = case.k.shape[0] * case.k.shape[1] * args.context  # (token, kv head) pairs in one call
+    pairs = case.k.shape[0] * case.k.shape[1] * args.context  # (token, kv head) pairs in one call
     res: dict[str, list[float]] = {f: [] for f in formats}
     for kv in kvs:
         decode_attention(case.q, kv, backend="cpu", out=out)  # compile and check once, outside the timing
     for _ in range(args.rounds):
         for f, kv in zip(formats, kvs):
-            decode_attention(case.q, kv, backend="cpu", out=out)
-            ts = []
-            for _ in range(5):
-                if args.threads == 1:
-                    t = time.thread_time_ns()
-                    decode_attention(case.q, kv, backend="cpu", out=out)
-                    ts.append((time.thread_time_ns() - t) / per_call)
-                else:
-                    t = time.perf_counter()
-                    decode_attention(case.q, kv, backend="cpu", out=out)
-                    ts.append((time.perf_counter() - t) * 1e3)
-            res[f].append(min(ts) if args.threads == 1 else statistics.median(ts))
-    unit = "ns per (token, kv head), one thread's CPU time" if args.threads == 1 else f"ms, {args.threads} threads"
-    print(f"context {args.context}{', hot' if args.hot_blocks else ''}: {unit}")
-    for f in formats:
-        ratios = " ".join(f"{a / b:.2f}" for a, b in zip(res[f], res[formats[0]]))
-        print(f"{statistics.median(res[f]):8.3f}  {f}  ratios {ratios}")
+            res[f].append(
+                ab_round(lambda kv=kv: decode_attention(case.q, kv, backend="cpu", out=out), args.threads, pairs)
+            )
+    ab_report(f"context {args.context}{', hot' if args.hot_blocks else ''}", args.threads, res)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,10 @@ first setting in every round. Shapes: batch 4, 32 q / 8 kv heads, head_dim 128, 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from kvpack.bench.decode import add_case_options, case_from_options
+from kvpack.bench.decode import ab_report, ab_round, add_case_options, case_from_options
 from kvpack.kernels import cpu_decode, decode_attention
 
 
@@ -46,32 +44,18 @@ def main() -> None:
     specs = [s for r, s in (("key", state.kp), ("value", state.vp)) if args.role in (r, "both")]
     old = [int(s[index]) for s in specs]
     values = [int(v) for v in args.values.split(",")]
-    res: dict[int, list[float]] = {v: [] for v in values}
+    res: dict[str, list[float]] = {str(v): [] for v in values}
+    pairs = case.k.shape[0] * case.k.shape[1] * n  # (token, kv head) pairs in one call
     try:
         for _ in range(args.rounds):
             for v in values:
                 for s in specs:
                     s[index] = v
-                call()
-                ts = []
-                for _ in range(5):
-                    if args.threads == 1:
-                        t = time.thread_time_ns()
-                        call()
-                        ts.append((time.thread_time_ns() - t) / (case.k.shape[0] * case.k.shape[1] * n))
-                    else:
-                        t = time.perf_counter()
-                        call()
-                        ts.append((time.perf_counter() - t) * 1e3)
-                res[v].append(min(ts) if args.threads == 1 else statistics.median(ts))
+                res[str(v)].append(ab_round(call, args.threads, pairs))
     finally:
         for s, o in zip(specs, old):
             s[index] = o
-    unit = "ns per (token, kv head), one thread's CPU time" if args.threads == 1 else f"ms, {args.threads} threads"
-    print(f"{args.format}, context {n}{', hot' if args.hot_blocks else ''}: {args.param} -> {unit}")
-    for v in values:
-        ratios = " ".join(f"{a / b:.2f}" for a, b in zip(res[v], res[values[0]]))
-        print(f"{v:>6}  {statistics.median(res[v]):7.2f}  ratios {ratios}")
+    ab_report(f"{args.format}, context {n}{', hot' if args.hot_blocks else ''}: {args.param}", args.threads, res)
 
 
 if __name__ == "__main__":

@@ -178,11 +178,34 @@ def test_spec_ab_script_times_each_setting_and_restores_it(
         torch.set_num_threads(old)
     lines = capsys.readouterr().out.splitlines()
     assert "P_MULTI" in lines[0] and "ns per (token, kv head)" in lines[0]
-    rows = [ln.split() for ln in lines[1:]]
-    assert [r[0] for r in rows] == ["16", "1"] and all(float(r[1]) > 0 for r in rows)
+    rows = [ln.split() for ln in lines[1:]]  # median, setting, "ratios", one ratio per round
+    assert [r[1] for r in rows] == ["16", "1"] and all(float(r[0]) > 0 for r in rows)
     assert rows[0][3:] == ["1.00", "1.00"]  # the first setting is the reference of every round
     nbm = cpu_decode._nb()
     assert int(states[0].kp[nbm.P_MULTI]) == cpu_decode.MULTI_TOKENS // 64 == int(states[0].vp[nbm.P_MULTI])
+
+
+def test_format_ab_script_times_each_format_on_the_same_data(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/cpu_format_ab.py`` (formats alternated in one process): one row per format in the order
+    given, each timed in every round, ratios to the first."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_format_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_format_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = ["x", "--formats", "int8;k=int8,v=int8,sink=1", "--context", "1024", "--rounds", "3", "--threads", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    old = torch.get_num_threads()
+    try:
+        mod.main()
+    finally:
+        torch.set_num_threads(old)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "context 1024: ms, 2 threads"
+    rows = [ln.split() for ln in lines[1:]]
+    assert [r[1] for r in rows] == ["int8", "k=int8,v=int8,sink=1"] and all(float(r[0]) > 0 for r in rows)
+    assert rows[0][3:] == ["1.00"] * 3 and len(rows[1][3:]) == 3
 
 
 def test_cycle_blocks_points_every_sequence_at_its_first_blocks_over_and_over() -> None:

@@ -17,13 +17,13 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import PRESETS
-from kvpack.kernels import cpu_decode, decode_attention
+from kvpack.kernels import chunk_attention, cpu_decode, decode_attention
 from kvpack.kernels.views import PagedKV
-from kvpack.testing import assert_bitexact, assert_close, cpu_kernel_tolerance, random_paged_kv
+from kvpack.testing import CPU_CHUNK_TOL, assert_bitexact, assert_close, cpu_kernel_tolerance, random_paged_kv
 
 pytest.importorskip("numba")
 
-POOLS = ("k_data", "k_scale", "k_zero", "v_data", "v_scale", "v_zero")
+POOLS = ("k_data", "k_scale", "k_zero", "k_outlier", "k_outlier_idx", "v_data", "v_scale", "v_zero")
 ALIGN = 16
 POISON = 0xFF
 
@@ -61,8 +61,8 @@ def _rehome(tensors: dict[str, torch.Tensor], gap: int = 24) -> tuple[dict[str, 
 
 
 def _strided(kv: PagedKV, tails: bool = True) -> tuple[PagedKV, torch.Tensor]:
-    """``kv`` with its payload, scale and zero-point pools (and its tails) re-homed (:func:`_rehome`); the
-    pools' buffer."""
+    """``kv`` with its payload, scale, zero-point and outlier pools (and its tails) re-homed (:func:`_rehome`);
+    the pools' buffer."""
     pools = {n: getattr(kv, n) for n in POOLS if getattr(kv, n) is not None}
     views, buf = _rehome(pools)
     if tails:
@@ -85,7 +85,7 @@ CASES = [(1, 64, 0), (4, 128, 4), (4, 64, 4), (1, 128, 0)]  # (GQA group, head_d
 
 @pytest.mark.parametrize("int_dot", [True, False], ids=["int", "float"])
 @pytest.mark.parametrize(("group", "head_dim", "sink"), CASES)
-@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "kivi2", "k8v4", "k4v2", "fp16"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "kivi2", "k8v4", "k4v2", "fp16", "int4-o4", "fp8-o4"])
 def test_strided_pools_match_contiguous_and_reference(
     monkeypatch: pytest.MonkeyPatch, name: str, group: int, head_dim: int, sink: int, int_dot: bool
 ) -> None:
@@ -171,12 +171,14 @@ def test_pools_the_kernel_cannot_read_in_place_are_refused() -> None:
     )
 
 
-def test_strided_outlier_pools_are_refused() -> None:
-    kv, _, _ = random_paged_kv(PRESETS["int4-o4"].with_block_size(16), [40, 9], kv_heads=2, head_dim=64, seed=7)
-    q = torch.randn(2, 4, 64)
-    nb = kv.k_outlier.shape[0]
-    big = torch.full((nb, kv.k_outlier[0].numel() + 16), float("nan"), dtype=kv.k_outlier.dtype)
-    view = big[:, : kv.k_outlier[0].numel()].view(kv.k_outlier.shape)
-    view.copy_(kv.k_outlier)
-    with pytest.raises(ShapeError, match="k_outlier must be contiguous"):
-        cpu_decode.decode_attention(q, _with(kv, k_outlier=view))
+@pytest.mark.parametrize("name", ["int4-o4", "fp8-o4"])
+def test_strided_outlier_pools_are_read_in_place_by_the_chunk_kernel(name: str) -> None:
+    """The vLLM layout: outlier residuals and channel indices in each block's page, between poisoned bytes."""
+    kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(16), [40, 9, 77], kv_heads=2, head_dim=64, seed=7)
+    strided, buf = _strided(kv)
+    assert kv.k_outlier is not None and strided.k_outlier.stride(0) * 2 == buf.shape[1]  # fp16: a page apart
+    q = torch.randn(3, 5, 4, 64)
+    want = chunk_attention(q, kv, backend="cpu")
+    got = chunk_attention(q, strided, backend="cpu")
+    assert_bitexact(got, want, f"{name}: strided against contiguous")
+    assert_close(got, chunk_attention(q, kv, backend="reference"), *CPU_CHUNK_TOL, f"{name}: strided against reference")

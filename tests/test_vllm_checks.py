@@ -88,10 +88,10 @@ def test_backend_check_pays_the_tails_where_no_config_step_did():
         ({}, None, "no format given"),
         ({"kv_cache_dtype": "fp8"}, {"format": "int8"}, "kv_cache_dtype"),
         ({"block_size": 32}, {"format": "int8"}, "block_size=32"),
-        ({}, {"format": "int4-o4"}, "outlier"),
+        ({}, {"format": "int8@static"}, "needs calibrated (static) scales"),
         ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "tails of 256 running"),
         ({}, {"format": "int4/int8[28-31]"}, "names layer(s) [30, 31] but the model has 30 layers"),
-        ({}, {"format": "int4/int4-o4[3]"}, "int4-o4 keeps outlier key channels"),
+        ({}, {"format": "int4/int4@static[3]"}, "int4@static needs calibrated (static) scales"),
         ({}, {"format": "int4/int8,block=32[3]"}, "same block= and sink="),
     ],
 )

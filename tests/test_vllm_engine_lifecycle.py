@@ -56,7 +56,6 @@ def test_a_thousand_requests_leave_no_tail_allocated():
         ({"format": "int8", "block_size": 32}, "block_size=32"),
         ({"format": "int8", "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
         ({"format": "fp8@static"}, "calibrated"),
-        ({"format": "int4-o4"}, "outlier"),
         ({"format": "int8", "kernel": "fast"}, "kernel must be one of"),
         (
             {

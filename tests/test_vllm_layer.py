@@ -18,7 +18,7 @@ import torch
 
 from kvpack import parse_format
 from kvpack.cache import PagedKVCache
-from kvpack.errors import NonFiniteError, PoolExhaustedError, ShapeError, UnsupportedError
+from kvpack.errors import NonFiniteError, PoolExhaustedError, ShapeError
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
@@ -40,7 +40,7 @@ def _pages(layout: PageLayout, num_blocks: int, interleave: int = 2) -> tuple[to
     return view, buf
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0", "int4-o4", "fp8-o4"])
 def test_page_holds_exactly_the_format_bytes_plus_the_sink_rows(preset):
     fmt = parse_format(preset)
     layout = PageLayout.build(fmt, H, D, torch.float32)
@@ -76,9 +76,14 @@ def test_views_refuse_another_layout():
         layout.views(torch.zeros(4, 1, 64, layout.cell_bytes + 16, dtype=torch.int8))
 
 
-def test_outlier_formats_are_refused_by_the_page_layout():
-    with pytest.raises(UnsupportedError, match="outlier"):
-        PageLayout.build(parse_format("int4-o4"), H, D, torch.float32)
+def test_outlier_channels_have_their_regions_in_the_page():
+    fmt = parse_format("int4-o4")  # 4 channels per kv head
+    layout = PageLayout.build(fmt, H, D, torch.float32)
+    res, idx = layout.region("k_outlier"), layout.region("k_outlier_idx")
+    assert (res.shape, res.dtype) == ((H, fmt.block_size, 4), torch.float16)
+    assert (idx.shape, idx.dtype) == ((H, 4), torch.uint8)
+    assert res.nbytes + idx.nbytes == fmt.outlier_bytes(H, D)
+    assert PageLayout.build(parse_format("int4"), H, D, torch.float32).region("k_outlier") is None
 
 
 # -- the tail table -----------------------------------------------------------------------------------------
@@ -253,7 +258,8 @@ class _Sim:
 @pytest.mark.parametrize(
     ("preset", "kernel"),
     [("kv=fp32", "reference"), ("int8", "auto"), ("int4", "reference"), ("fp8", "auto"), ("kivi2", "reference"),
-     ("int4,block=16", "auto"), ("k8v4,sink=0", "reference"), ("int8", "triton"), ("int4,block=16", "triton")],
+     ("int4,block=16", "auto"), ("k8v4,sink=0", "reference"), ("int8", "triton"), ("int4,block=16", "triton"),
+     ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton")],
 )  # fmt: skip
 def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
     """``triton``: the Triton decode and chunk kernels (under the interpreter) reading the strided page views

@@ -470,6 +470,9 @@ def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> Vl
             sizes.append((f"{prefix}_scale", n * spec.scale_dtype.bytes))
             if spec.has_zero:
                 sizes.append((f"{prefix}_zero", n * spec.zero_dtype.bytes))
+        if spec.has_outliers:  # keys only: fp16 residuals [H, B, k], channel indices [H, k]
+            sizes.append((f"{prefix}_outlier", h * b * spec.outliers * 2))
+            sizes.append((f"{prefix}_outlier_idx", h * spec.outliers * spec.outlier_index_bytes(d)))
     if fmt.sink:
         sizes += [("sink_k", h * fmt.sink * d * act_bytes), ("sink_v", h * fmt.sink * d * act_bytes)]
     regions, offset = [], 0

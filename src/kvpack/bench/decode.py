@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -395,3 +396,32 @@ def parse_tokens(text: str) -> int:
     from kvpack.sizing import parse_count
 
     return parse_count(text, "a context length")
+
+
+def ab_round(call: Callable[[], Any], threads: int, pairs: int) -> float:
+    """One round of an in-process A/B timing of ``call`` (one warm call first): with one thread the best of 5
+    calls' thread CPU time in ns per (token, kv head), ``pairs`` of them in a call; with more, the median wall
+    time of 5 calls in ms (``benchmarks/cpu_spec_ab.py``, ``cpu_format_ab.py``)."""
+    call()
+    ts = []
+    for _ in range(5):
+        if threads == 1:
+            t = time.thread_time_ns()
+            call()
+            ts.append((time.thread_time_ns() - t) / pairs)
+        else:
+            t = time.perf_counter()
+            call()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return min(ts) if threads == 1 else statistics.median(ts)
+
+
+def ab_report(title: str, threads: int, res: dict[str, list[float]]) -> None:
+    """Print each setting's median of its :func:`ab_round` figures and, round by round, its ratio to the first
+    setting's."""
+    unit = "ns per (token, kv head), one thread's CPU time" if threads == 1 else f"ms, {threads} threads"
+    print(f"{title}: {unit}")
+    first = next(iter(res.values()))
+    for label, xs in res.items():
+        ratios = " ".join(f"{a / b:.2f}" for a, b in zip(xs, first))
+        print(f"{statistics.median(xs):8.3f}  {label}  ratios {ratios}")

@@ -73,7 +73,8 @@ def spec_vector(p: np.ndarray) -> np.ndarray:
     for src, dst in ((d.P_KIND, c.C_KIND), (d.P_FK, c.C_FK), (d.P_SKIND, c.C_SKIND), (d.P_ZKIND, c.C_ZKIND),
                      (d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
                      (d.P_ROW, c.C_ROW), (d.P_BST, c.C_BST), (d.P_SBST, c.C_SBST), (d.P_ZBST, c.C_ZBST),
-                     (d.P_NOUT, c.C_NOUT), (d.P_IDX16, c.C_IDX16)):  # fmt: skip
+                     (d.P_NOUT, c.C_NOUT), (d.P_IDX16, c.C_IDX16), (d.P_OBST, c.C_OBST),
+                     (d.P_IBST, c.C_IBST)):  # fmt: skip
         out[dst] = p[src]
     return out
 

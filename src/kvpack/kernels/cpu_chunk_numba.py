@@ -45,8 +45,8 @@ SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # [HS, TS, CS] per block, packed row length (elements), float kind of FLT rows, block strides of the payload,
 # scale and zero pools, outlier channels and whether their indices are int16
 (C_KIND, C_OFF, C_PER, C_SKIND, C_ZKIND, C_HS, C_TS, C_CS, C_ROW, C_FK, C_BST, C_SBST, C_ZBST, C_NOUT,
- C_IDX16) = range(15)  # fmt: skip
-N_SPEC = 15
+ C_IDX16, C_OBST, C_IBST) = range(17)  # fmt: skip
+N_SPEC = 17
 
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
 MR = 6  # rows per call of the matrix product (one register tile: MR x 64 float32 sums)
@@ -491,11 +491,10 @@ def _fill_block(role_key, pay, scl, zero, sp, kout, kidx, tab, b, h, j, nsealed,
         for c in range(ud):
             dst[o + c] = dst[o + c] * srow[c] + zrow[c]
     nout = sp[C_NOUT]
-    if role_key and nout > 0:
-        heads = tail.shape[1]
-        io = (blk * heads + h) * nout
+    if role_key and nout > 0:  # residual and index blocks C_OBST / C_IBST elements apart (vLLM's pages)
+        io = blk * sp[C_IBST] + h * nout
         for i in range(bs):
-            ro = ((blk * heads + h) * bs + i) * nout
+            ro = blk * sp[C_OBST] + (h * bs + i) * nout
             o = (row0 + i) * ld
             for jj in range(nout):
                 c = np.int64(kidx[1][io + jj]) if sp[C_IDX16] else np.int64(kidx[0][io + jj])

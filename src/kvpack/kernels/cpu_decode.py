@@ -12,9 +12,9 @@ path serves everything else.
 Pools may be strided along the block axis (each pool a view into one page per block, as vLLM lays out its
 KV cache): every pool (``k_data``, ``k_scale``, ``k_zero`` and the same for values) must be contiguous within
 a block, and its ``stride(0)``, at least the block's own element count, becomes the spec's block stride
-(``cpu_decode_numba.P_BST``, ``P_SBST``, ``P_ZBST``); the kernel reads such pools in place, without copying. The
-tails may be strided along the batch axis the same way. Outlier pools (``k_outlier``, ``k_outlier_idx``)
-must be contiguous.
+(``cpu_decode_numba.P_BST``, ``P_SBST``, ``P_ZBST``, and for the outlier pools ``k_outlier``, ``k_outlier_idx``
+``P_OBST``, ``P_IBST``); the kernel reads such pools in place, without copying. The tails may be strided along the
+batch axis the same way.
 """
 
 from __future__ import annotations
@@ -251,7 +251,6 @@ def _prepare(kv: PagedKV) -> _ViewState:
     if state.ready and state.int_dot == dot:
         return state
     kv.check()
-    _check_outlier_layout(kv)
     nbm = _nb()
     kp = _params(kv.format.key, kv, kv.k_data, "key")
     vp = _params(kv.format.value, kv, kv.v_data, "value")
@@ -458,6 +457,8 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: Role) -> 
     if role == "key" and kv.k_outlier is not None:
         p[nbm.P_NOUT] = kv.k_outlier.shape[-1]
         p[nbm.P_IDX16] = int(kv.k_outlier_idx.element_size() == 2)
+        p[nbm.P_OBST] = _block_stride(kv.k_outlier, "k_outlier")
+        p[nbm.P_IBST] = _block_stride(kv.k_outlier_idx, "k_outlier_idx")
     return p
 
 
@@ -470,22 +471,14 @@ def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
         raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
 
 
-def _check_outlier_layout(kv: PagedKV) -> None:
-    """The kernel's own limit on outlier pools (their shapes are :meth:`PagedKV.check`'s): contiguous, as it
-    indexes them as ``[num_blocks * H, ...]`` with no block stride."""
-    for name, t in (("k_outlier", kv.k_outlier), ("k_outlier_idx", kv.k_outlier_idx)):
-        if t is not None and not t.is_contiguous():
-            raise ShapeError(
-                f"{name} must be contiguous for the CPU kernel (outlier pools take no block stride), "
-                f"got strides {t.stride()}; pass {name}.contiguous()"
-            )
-
-
 def _check_outlier_channels(kv: PagedKV) -> None:
-    """The kept channels of the blocks the tables use lie in ``[0, head_dim)`` (contents: every call)."""
+    """The kept channels of the sealed blocks the tables use lie in ``[0, head_dim)`` (contents: every call). A
+    table's entries past a row's sealed blocks are never read (vLLM lists the open block, whose page is not
+    written until it seals)."""
     nb = kv.k_data.shape[0]
     t = kv.block_tables
-    used = kv.k_outlier_idx[t[(t > 0) & (t < nb)].long()]  # the null block is never read (bad ids: checked later)
+    sealed = torch.arange(t.shape[1], device=t.device) < (kv.seq_lens.to(t.device) // kv.block_size)[:, None]
+    used = kv.k_outlier_idx[t[sealed & (t > 0) & (t < nb)].long()]  # the null block is never read
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv.head_dim):
         raise ShapeError(
             f"k_outlier_idx holds channels outside [0, {kv.head_dim}) in blocks the block_tables use: "

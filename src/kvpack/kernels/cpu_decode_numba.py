@@ -92,11 +92,12 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
 (P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR,
- P_MULTI, P_BST, P_SBST, P_ZBST, P_SPREAD, P_CMIN) = range(20)  # fmt: skip
-N_PARAMS = 20
+ P_MULTI, P_BST, P_SBST, P_ZBST, P_SPREAD, P_CMIN, P_OBST, P_IBST) = range(22)  # fmt: skip
+N_PARAMS = 22
 # P_BST, P_SBST, P_ZBST: elements between consecutive blocks of the payload, scale and zero-point pools (of the
 # flat array each is read as; for a tail, between sequences). A pool is contiguous within a block; its blocks
-# may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0.
+# may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0. P_OBST,
+# P_IBST: the same for the outlier residuals and their channel indices (key specs with outlier channels).
 # P_SPREAD, P_CMIN: where a block's int16 operands or fp8 codes would lose more than the format, the block takes
 # the float path (see _spread_ok, _codes_reach; 0: no such check).
 # The compiled code reads a spec as this vector, by these indices, not as a named tuple of the same fields: built
@@ -948,18 +949,18 @@ def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _outlier_scores(kout, kidx, idx16, bh, nout, qp, kper, kdp, g_n, u0, u1, sc, qo):
-    """``sc[g, t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16) of the
-    ``nout`` outlier channels ``idx_j`` of block-and-head ``bh``. ``qp``: the query in the keys' plane order,
-    pre-scaled but not folded (the residual is in key units); ``qo``: scratch of ``G * nout``."""
+def _outlier_scores(kout, kidx, idx16, rb, ib, nout, qp, kper, kdp, g_n, u0, u1, sc, qo):
+    """``sc[g, t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16, a block's
+    ``[B, nout]`` rows of one head from flat offset ``rb``) of the ``nout`` outlier channels ``idx_j`` (from flat
+    offset ``ib``). ``qp``: the query in the keys' plane order, pre-scaled but not folded (the residual is in key
+    units); ``qo``: scratch of ``G * nout``."""
     no = U64(nout)
     gn = U64(g_n)
     for j in range(no):
-        c = np.int64(kidx[1][bh * no + j]) if idx16 else np.int64(kidx[0][bh * no + j])
+        c = np.int64(kidx[1][ib + j]) if idx16 else np.int64(kidx[0][ib + j])
         pc = (c % kper) * kdp + c // kper  # natural channel -> the keys' plane order
         for g in range(gn):
             qo[g * no + j] = qp[g, pc]
-    rb = bh * U64(sc.shape[1]) * no
     for t in range(U64(u0), U64(u1)):
         for j in range(no):
             r = _half(kout[1][rb + t * no + j])
@@ -1335,8 +1336,9 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
     ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; kmx ``[G4]`` the key loop's
     maxima (unused here: its rows may start before ``t0``); the rest is scratch.
     kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
-    (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``); ``nout`` is
-    ``kp[P_NOUT]`` (0: the format keeps none; the tails' specs have 0).
+    (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``), blocks
+    ``kp[P_OBST]`` and ``kp[P_IBST]`` elements apart; ``nout`` is ``kp[P_NOUT]`` (0: the format keeps none; the
+    tails' specs have 0).
     """
     kpay, kscl, kzero, kp = keys
     vpay, vscl, vzero, vp = values
@@ -1456,7 +1458,9 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                                 zt += qsum[g, grp] * (zk[e] - koff * sk[e])
                             sc[g, tr] += zt
         if nout:  # outlier key channels: + q[idx_j] * residual[t, j] (query not folded)
-            _outlier_scores(kout, kidx, kp[P_IDX16], U64(idx * kv_heads + h), nout, qp, kper, kdp, g_n, u0, u1, sc, zp)
+            rb = U64(idx * kp[P_OBST] + h * bs * nout)  # blocks P_OBST / P_IBST elements apart (vLLM's pages)
+            ib = U64(idx * kp[P_IBST] + h * nout)
+            _outlier_scores(kout, kidx, kp[P_IDX16], rb, ib, nout, qp, kper, kdp, g_n, u0, u1, sc, zp)
         if kint or nout:
             for g in range(g_n):
                 row = sc[g]

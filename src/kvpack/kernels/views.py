@@ -8,8 +8,8 @@ The cache (:mod:`kvpack.cache`) builds these; every attention backend reads them
 A pool may be strided along its block axis: contiguous within a block (``pool[n]``), its blocks ``stride(0)``
 elements apart, at least a block's size, so the pools can be views into one page per block that holds all of
 them (vLLM's layout: ``k_data``, ``k_scale``, ... at their own byte offsets in the page, ``stride(0)`` = the
-page size in each pool's elements). Every backend reads such pools in place; the CPU kernel refuses other
-layouts (:mod:`kvpack.kernels.cpu_decode`) and outlier pools that are not contiguous.
+page size in each pool's elements; the outlier pools too). Every backend reads such pools in place; the CPU
+kernel refuses other layouts (:mod:`kvpack.kernels.cpu_decode`).
 
 A sequence of ``seq_len`` tokens has ``seq_len // block_size`` sealed blocks (its first entries of
 ``block_tables``) and ``seq_len % block_size`` tokens in its tail: the tail is sealed the moment it holds

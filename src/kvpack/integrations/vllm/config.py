@@ -153,8 +153,6 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
         name = f.name or f.spec_string()
         if f.is_static:
             reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")
-        if f.key.has_outliers:
-            reasons.append(f"format {name} keeps outlier key channels, which the vLLM backend does not store yet")
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append(
             "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "

@@ -29,6 +29,7 @@ from kvpack.integrations.vllm.tails import StepPlan
 from kvpack.kernels import choose_backend, cpu_seal, fused_chunk_backend, run_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
+from kvpack.outliers import quantize_outliers
 from kvpack.quant import _raise_non_finite, all_finite, quantize
 from kvpack.rotation import key_rotation, rotate
 
@@ -142,8 +143,15 @@ class PagedLayer:
             if x.device.type == "cpu" and cpu_seal.supports(spec):  # one compiled call, the same bytes
                 cpu_seal.seal_blocks(x, spec, plan.seal_block, rows["data"], rows["scale"], rows["zero"])
                 continue
-            qt = quantize(x, spec)
-            for part, t in (("data", qt.data), ("scale", qt.scale), ("zero", qt.zero)):
+            parts = {}
+            if spec.has_outliers:  # keys only: channels chosen per block at seal time, as kvpack's own cache does
+                ob = quantize_outliers(x, spec)
+                qt, parts["outlier"], parts["outlier_idx"] = ob.qt, ob.residual, ob.idx
+                rows |= {p: pools.get(f"{prefix}_{p}_bytes") for p in parts}
+            else:
+                qt = quantize(x, spec)
+            parts |= {"data": qt.data, "scale": qt.scale, "zero": qt.zero}
+            for part, t in parts.items():
                 if t is not None:
                     rows[part][ids] = t.contiguous().view(torch.uint8).reshape(len(ids), -1)
 
@@ -222,6 +230,8 @@ class PagedLayer:
                 v_data=pools["v_data"],
                 v_scale=pools.get("v_scale"),
                 v_zero=pools.get("v_zero"),
+                k_outlier=pools.get("k_outlier"),
+                k_outlier_idx=pools.get("k_outlier_idx"),
                 block_tables=tables,
                 seq_lens=lens,
                 tail_k=tail_k,

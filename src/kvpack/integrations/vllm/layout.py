@@ -4,7 +4,8 @@ vLLM allocates every layer's KV cache as pages of ``page_bytes`` bytes, one page
 backend a ``[num_blocks, 1, block_size, C]`` int8 view of them (``page_bytes = block_size * C``). A page here is
 one kvpack block of one layer, regions in this order, each 16-byte aligned:
 
-``k_data [H, B, Pk]``, ``k_scale [Hs, Ts, Cs]``, ``k_zero``, ``v_data [H, B, Pv]``, ``v_scale``, ``v_zero``, and
+``k_data [H, B, Pk]``, ``k_scale [Hs, Ts, Cs]``, ``k_zero``, for a key spec with outlier channels ``k_outlier [H, B, k]``
+(fp16 residuals) and ``k_outlier_idx [H, k]`` (their channels), ``v_data [H, B, Pv]``, ``v_scale``, ``v_zero``, and
 with a sink (``format.sink = S``) ``sink_k [H, S, D]``, ``sink_v [H, S, D]`` in the tail dtype (the model's
 activations), exactly as :class:`~kvpack.cache.PagedKVCache` keeps them. Rounding float32 sink rows to float16
 to halve their bytes was measured and dropped: on the embedded model (float32) it turned 1 of 12 greedy
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpack.errors import ShapeError, UnsupportedError
+from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat
+from kvpack.outliers import index_dtype
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 from kvpack.sizing import VLLM_ALIGN, vllm_page
 
@@ -74,15 +76,9 @@ class PageLayout:
         """The layout of ``fmt`` for a layer of ``kv_heads`` x ``head_dim``.
 
         Raises:
-            UnsupportedError: a format the page layout does not hold (outlier key channels).
+            FormatError: ``fmt`` cannot store vectors of ``head_dim``.
         """
         fmt.check(head_dim)
-        if fmt.key.has_outliers:
-            raise UnsupportedError(
-                f"format {fmt.name or fmt.spec_string()} keeps outlier key channels, which the vLLM backend does not "
-                "store yet; use the same format without o<N> (e.g. fp8 or int4)",
-                ["outlier key channels"],
-            )
         h, b, d = kv_heads, fmt.block_size, head_dim
         shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for prefix, spec in (("k", fmt.key), ("v", fmt.value)):
@@ -91,6 +87,9 @@ class PageLayout:
             if shape is not None:
                 shapes[f"{prefix}_scale"] = (scale_torch_dtype(spec.scale_dtype), tuple(shape))
                 shapes[f"{prefix}_zero"] = (scale_torch_dtype(spec.zero_dtype), tuple(shape))
+            if spec.has_outliers:
+                shapes[f"{prefix}_outlier"] = (torch.float16, (h, b, spec.outliers))
+                shapes[f"{prefix}_outlier_idx"] = (index_dtype(d), (h, spec.outliers))
         shapes["sink_k"] = shapes["sink_v"] = (tail_dtype, (h, fmt.sink, d))
         es = torch.empty((), dtype=tail_dtype).element_size()
         page = vllm_page(fmt, h, d, es)  # the byte accounting kvpack size uses; the views follow it
