@@ -18,7 +18,10 @@ import torch
 
 from kvpack import parse_format
 from kvpack.cache import PagedKVCache
+from kvpack.calibration.artifact import CalibratedScales
+from kvpack.calibration.static import StaticScales
 from kvpack.errors import NonFiniteError, PoolExhaustedError, ShapeError
+from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
@@ -179,17 +182,46 @@ def test_the_null_block_is_never_stored():
 # -- a layer under a simulated scheduler -----------------------------------------------------------------
 
 
+def _static_scales(fmt) -> CalibratedScales:
+    """Static scales of one layer for ``fmt``'s static specs, wide enough for :class:`_Sim`'s keys (``2 x randn``, one
+    channel shifted by 6) and values (``randn``): what a calibration artifact would hold."""
+
+    def role(name: str, spec, lo: float, hi: float) -> StaticScales | None:
+        if not spec.static:
+            return None
+        shape = (1, *spec.scale_shape(H, 1, D))
+        zero = None
+        if spec.dtype.is_fp8:
+            scale = torch.full(shape, max(-lo, hi) / spec.dtype.fp8_max)
+        elif spec.has_zero:
+            scale, zero = torch.full(shape, (hi - lo) / spec.qmax), torch.full(shape, lo)
+        else:
+            scale = torch.full(shape, max(-lo, hi) / spec.qmax)
+        half = torch.float16
+        return StaticScales(name, spec, scale.to(half), None if zero is None else zero.to(half), "absmax")
+
+    return CalibratedScales(fmt, role("key", fmt.key, -12.0, 18.0), role("value", fmt.value, -6.0, 6.0))
+
+
 class _Sim:
     """Requests scheduled in steps over one :class:`PagedLayer`, mirrored into kvpack's own cache."""
 
     def __init__(self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int):
         self.fmt = parse_format(preset)
         self.b = self.fmt.block_size
-        self.layer = PagedLayer(self.fmt, H, D, capacity, torch.float32, torch.device("cpu"))
+        cal = _static_scales(self.fmt) if self.fmt.is_static else None
+        layer_cal = (
+            None
+            if cal is None
+            else LayerCalibration(*(None if s is None else s.layer(0) for s in (cal.key, cal.value)), None)
+        )
+        self.layer = PagedLayer(self.fmt, H, D, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal)
         self.kv_cache, self.buf = _pages(self.layer.layout, num_blocks)
         self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-        self.oracle = PagedKVCache(self.fmt, 1, H, D, num_blocks, tail_dtype=torch.float32, max_seqs=16)
+        self.oracle = PagedKVCache(
+            self.fmt, 1, H, D, num_blocks, tail_dtype=torch.float32, max_seqs=16, calibration=cal
+        )
         self.kernel = kernel
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs: dict[int, dict] = {}
@@ -259,7 +291,8 @@ class _Sim:
     ("preset", "kernel"),
     [("kv=fp32", "reference"), ("int8", "auto"), ("int4", "reference"), ("fp8", "auto"), ("kivi2", "reference"),
      ("int4,block=16", "auto"), ("k8v4,sink=0", "reference"), ("int8", "triton"), ("int4,block=16", "triton"),
-     ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton")],
+     ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton"), ("int8@static", "auto"),
+     ("fp8@static", "reference"), ("k=int8:channel:asym:static:o4,v=int8:token,sink=1", "auto")],
 )  # fmt: skip
 def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
     """``triton``: the Triton decode and chunk kernels (under the interpreter) reading the strided page views

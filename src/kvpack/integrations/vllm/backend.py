@@ -25,7 +25,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
-from kvpack.integrations.vllm.config import Settings, engine_reasons, pay_tails, settings_from
+from kvpack.integrations.vllm.calibration import layer_calibration
+from kvpack.integrations.vllm.config import Settings, engine_reasons, layer_index, pay_tails, settings_from
 from kvpack.integrations.vllm.hooks import register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import PageLayout
@@ -203,7 +204,9 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         lay = self._layer
         if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
             fmt = self.settings.format_of(name)
-            self._layer = PagedLayer(fmt, self.num_kv_heads, self.head_size, capacity, query.dtype, query.device)
+            h, d = self.num_kv_heads, self.head_size
+            cal = layer_calibration(self.settings.calibration, fmt, layer_index(name), h, d, query.device)
+            self._layer = PagedLayer(fmt, h, d, capacity, query.dtype, query.device, calibration=cal)
 
     def forward(
         self,

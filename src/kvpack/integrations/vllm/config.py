@@ -21,10 +21,20 @@ import torch
 
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import KVFormat
+from kvpack.integrations.vllm.calibration import calibration_reasons
 from kvpack.plans import LayerPlan, parse_plan
 from kvpack.sizing import vllm_tail_bytes
 
-__all__ = ["KERNELS", "Settings", "engine_reasons", "pay_tails", "settings_from", "startup_reasons", "tail_pool_bytes"]
+__all__ = [
+    "KERNELS",
+    "Settings",
+    "engine_reasons",
+    "layer_index",
+    "pay_tails",
+    "settings_from",
+    "startup_reasons",
+    "tail_pool_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +46,9 @@ _HINT = 'additional_config={"kvpack": {"format": "int4"}} (CLI: --additional-con
 
 @dataclass(frozen=True)
 class Settings:
-    """What the user chose: the format, or a per-layer plan (:mod:`kvpack.plans`), and the decode kernel
-    (``auto``: the fused kernel of the device).
+    """What the user chose: the format, or a per-layer plan (:mod:`kvpack.plans`), the decode kernel
+    (``auto``: the fused kernel of the device), and the calibration artifact's folder for static formats
+    (:mod:`kvpack.integrations.vllm.calibration`).
 
     Every format of a plan seals blocks of the same size and keeps the same sink rows (:func:`settings_from`
     checks): vLLM gives all layers one block table, and the tails are planned once for every layer.
@@ -45,6 +56,7 @@ class Settings:
 
     plan: LayerPlan
     kernel: str = "auto"
+    calibration: str | None = None
 
     @property
     def format(self) -> KVFormat:
@@ -64,22 +76,28 @@ class Settings:
         return self.plan.base
 
     def format_of(self, layer_name: str | None) -> KVFormat:
-        """The format of the vLLM layer named ``layer_name``: the one number in its name is its index
-        (``model.layers.7.self_attn.attn`` -> 7), as vLLM numbers layers; any name without a plan.
+        """The format of the vLLM layer named ``layer_name`` (:func:`layer_index`); any name without a plan.
 
         Raises:
             ConfigError: a plan, and the name holds no single layer number.
         """
         if not self.plan.overrides:
             return self.plan.base
-        nums = [int(p) for p in (layer_name or "").split(".") if p.isdigit()]
-        if len(nums) != 1:
+        index = layer_index(layer_name)
+        if index is None:
             raise ConfigError(f"kvpack: cannot tell which layer {layer_name!r} is, so a per-layer plan cannot serve it")
-        return self.layer_format(nums[0])
+        return self.layer_format(index)
 
     @property
     def name(self) -> str:
         return self.plan.name if self.plan.overrides else (self.format.name or self.format.spec_string())
+
+
+def layer_index(layer_name: str | None) -> int | None:
+    """The layer number in a vLLM layer's name, the one number in it (``model.layers.7.self_attn.attn`` -> 7), as
+    vLLM numbers layers; None when the name holds no single number."""
+    nums = [int(p) for p in (layer_name or "").split(".") if p.isdigit()]
+    return nums[0] if len(nums) == 1 else None
 
 
 def _raw(vllm_config: Any) -> dict | None:
@@ -101,10 +119,17 @@ def settings_from(vllm_config: Any) -> Settings | None:
         raw = {"format": raw}
     if not isinstance(raw, dict) or not isinstance(raw.get("format"), str):
         raise ConfigError(f"kvpack: additional_config['kvpack'] must name a format, e.g. {_HINT}; got {raw!r}")
-    unknown = set(raw) - {"format", "kernel"}
+    unknown = set(raw) - {"format", "kernel", "calibration"}
     if unknown:
         raise ConfigError(
-            f"kvpack: unknown key(s) {sorted(unknown)} in additional_config['kvpack']; keys: format, kernel"
+            f"kvpack: unknown key(s) {sorted(unknown)} in additional_config['kvpack']; keys: format, kernel, "
+            "calibration"
+        )
+    calibration = raw.get("calibration")
+    if calibration is not None and not isinstance(calibration, str):
+        raise ConfigError(
+            "kvpack: additional_config['kvpack']['calibration'] must be the folder of a `kvpack calibrate` "
+            f"artifact, got {calibration!r}"
         )
     kernel = raw.get("kernel", "auto")
     if kernel not in KERNELS:
@@ -124,7 +149,7 @@ def settings_from(vllm_config: Any) -> Settings | None:
             f"{plan.base.name!r} in block size or sink rows (block={plan.base.block_size}, sink={plan.base.sink}); "
             "vLLM gives every layer one block table: give every format of the plan the same block= and sink="
         )
-    return Settings(plan, kernel)
+    return Settings(plan, kernel, calibration)
 
 
 def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seqs: int) -> int:
@@ -149,10 +174,9 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
             f"block_size={cache.block_size} but format {base.name or base.spec_string()} seals blocks of "
             f"{base.block_size}: pass block_size={base.block_size} or a format with block={cache.block_size}"
         )
-    for f in plan.distinct_formats:
-        name = f.name or f.spec_string()
-        if f.is_static:
-            reasons.append(f"format {name} needs calibrated (static) scales, which the vLLM backend does not load yet")
+    raw = _raw(vllm_config)
+    path = raw.get("calibration") if isinstance(raw, dict) else None
+    reasons += calibration_reasons(vllm_config, plan, path if isinstance(path, str) else None)
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append(
             "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "

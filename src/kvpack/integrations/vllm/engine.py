@@ -8,7 +8,8 @@ get a fresh process.
 A job (all keys optional but ``model`` and ``prompts``)::
 
     {"model": PATH, "format": "int4" | null (vLLM's own cache) , "kv_cache_dtype": "auto" | "fp8",
-     "kernel": "auto", "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
+     "kernel": "auto", "calibration": null (a `kvpack calibrate` folder, for static formats),
+     "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
      "warmup": true, "warmup_requests": 1, "detokenize": true, "engine_kwargs": {...more vllm.LLM arguments}}
@@ -114,6 +115,8 @@ def _main() -> None:
     )
     if job.get("format"):
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
+        if job.get("calibration"):
+            kw["additional_config"]["kvpack"]["calibration"] = str(job["calibration"])
     kw.update(job.get("engine_kwargs") or {})
     workers = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
     if workers > 1:  # vLLM's CPU workers would each bind a NUMA node; one node here, and the OS schedules them

@@ -23,13 +23,15 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvpack.cache.write import seal_outliers
+from kvpack.calibration.static import seal_with_static
 from kvpack.formats import KVFormat
+from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan
 from kvpack.kernels import choose_backend, cpu_seal, fused_chunk_backend, run_backend, run_chunk_backend
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
-from kvpack.outliers import quantize_outliers
 from kvpack.quant import _raise_non_finite, all_finite, quantize
 from kvpack.rotation import key_rotation, rotate
 
@@ -77,12 +79,21 @@ class PagedLayer:
     Args:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
         dtype: the model's activation dtype (tails and queries); device: where the pages live.
+        calibration: the layer's static scales and outlier channels (a format with static specs needs them).
     """
 
     def __init__(
-        self, fmt: KVFormat, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
+        self,
+        fmt: KVFormat,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        calibration: LayerCalibration | None = None,
     ) -> None:
         self.format = fmt
+        self.calibration = calibration
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.capacity, self.device = capacity, torch.device(device)
@@ -144,10 +155,15 @@ class PagedLayer:
                 cpu_seal.seal_blocks(x, spec, plan.seal_block, rows["data"], rows["scale"], rows["zero"])
                 continue
             parts = {}
-            if spec.has_outliers:  # keys only: channels chosen per block at seal time, as kvpack's own cache does
-                ob = quantize_outliers(x, spec)
-                qt, parts["outlier"], parts["outlier_idx"] = ob.qt, ob.residual, ob.idx
+            cal = self.calibration
+            scales = None if cal is None else (cal.key if prefix == "k" else cal.value)
+            if spec.has_outliers:  # keys only: the artifact's channels, else chosen per block, as in kvpack's cache
+                qt, _, (parts["outlier"], parts["outlier_idx"]) = seal_outliers(
+                    x, spec, scales, None if cal is None else cal.channels
+                )
                 rows |= {p: pools.get(f"{prefix}_{p}_bytes") for p in parts}
+            elif spec.static:
+                qt, _ = seal_with_static(x, spec, scales)  # a missing scale: CalibrationError, nothing written
             else:
                 qt = quantize(x, spec)
             parts |= {"data": qt.data, "scale": qt.scale, "zero": qt.zero}

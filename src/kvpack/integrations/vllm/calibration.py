@@ -1,0 +1,110 @@
+"""Calibrated (static) scales in the vLLM backend, from an artifact of ``kvpack calibrate``.
+
+The engine's settings name the artifact: ``additional_config={"kvpack": {"format": "int8@static", "calibration":
+"calib/"}}``. At start-up (:func:`calibration_reasons`) it is loaded and checked against the model (its
+fingerprint) and against every static format of the plan; anything that does not match stops the engine with one
+line. Each layer then takes its own row of the artifact (:func:`layer_calibration`): the static scales of its
+static specs and, for a key spec with outlier channels, the artifact's channels, exactly as kvpack's own cache takes
+them (:mod:`kvpack.cache.calibrated`). Blocks are sealed with those scales (:func:`kvpack.calibration.seal_with_static`,
+:func:`kvpack.cache.write.seal_outliers`), so a page holds what the same format holds in kvpack's own cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from kvpack.calibration.artifact import Artifact, load_artifact
+from kvpack.calibration.static import LayerScales
+from kvpack.errors import CalibrationError, ConfigError
+from kvpack.formats import KVFormat
+from kvpack.plans import LayerPlan
+
+__all__ = ["LayerCalibration", "calibration_reasons", "layer_calibration"]
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """One layer's share of an artifact.
+
+    Attributes:
+        key, value: the static scales of the layer's static key / value spec (``[Hs, 1, Cs]``), else None.
+        channels: ``[kv_heads, k]`` int64, the artifact's outlier key channels of the layer (key specs with
+            outlier channels), else None: chosen per block at seal time.
+    """
+
+    key: LayerScales | None
+    value: LayerScales | None
+    channels: torch.Tensor | None
+
+
+def _model_config(vllm_config: Any) -> Any:
+    model = getattr(vllm_config, "model_config", None)
+    return None if model is None else (getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None))
+
+
+def calibration_reasons(vllm_config: Any, plan: LayerPlan, path: str | None) -> list[str]:
+    """Why the engine cannot take calibration ``path`` for ``plan`` (empty: it can). Each reason says what to
+    change."""
+    static = [f for f in plan.distinct_formats if f.is_static]
+    if path is None:
+        return [
+            f'format {f.name or f.spec_string()} needs calibrated (static) scales: add "calibration": DIR to '
+            f"additional_config['kvpack'], DIR from `kvpack calibrate --format '{f.spec_string()}' --out DIR`"
+            for f in static
+        ]
+    if not static and not any(f.has_outliers for f in plan.distinct_formats):
+        return [
+            f"additional_config['kvpack'] names a calibration, but {plan.name} takes no static scales or outlier "
+            'channels, so it would be ignored: drop "calibration" or use a static format such as int8@static'
+        ]
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "tensor_parallel_size", 1) > 1:
+        return [
+            "calibrated scales with tensor_parallel_size > 1: each worker would need its kv heads' share of the "
+            "artifact, which the kvpack backend does not slice yet; use tensor_parallel_size=1"
+        ]
+    hf = _model_config(vllm_config)
+    try:
+        art = load_artifact(path, model=hf)
+        for f in static:
+            art.check_format(f)
+    except (CalibrationError, ConfigError) as e:
+        return [f"calibration {path}: {e}"]
+    return []
+
+
+@lru_cache(maxsize=4)
+def _artifact(path: str) -> Artifact:
+    return load_artifact(path)  # checked at start-up (calibration_reasons); loaded once per process
+
+
+def layer_calibration(
+    path: str | None, fmt: KVFormat, layer: int | None, kv_heads: int, head_dim: int, device: torch.device
+) -> LayerCalibration | None:
+    """Layer ``layer``'s calibration for ``fmt`` from the artifact at ``path`` (None: the format takes none).
+
+    Raises:
+        ConfigError: a static format without a calibration, or a layer whose number is unknown.
+        CalibrationError: the artifact does not have this layer's geometry.
+    """
+    if path is None or not (fmt.is_static or fmt.has_outliers):
+        if fmt.is_static:
+            raise ConfigError(f"kvpack: format {fmt.name} needs calibrated (static) scales; name a calibration")
+        return None
+    if layer is None:
+        raise ConfigError("kvpack: a calibrated format needs each layer's number, and this layer's name has none")
+    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels
+
+    art = _artifact(path)
+    n = int(art.fingerprint["num_layers"])
+    cal = resolve_calibration(fmt, art, n, kv_heads, head_dim, device)
+    channels = resolve_outlier_channels(fmt, art, n, kv_heads, head_dim, device)
+    key = value = None
+    if cal is not None:
+        key = None if cal.key is None else cal.key.layer(layer)
+        value = None if cal.value is None else cal.value.layer(layer)
+    return LayerCalibration(key, value, None if channels is None else channels[layer])
