@@ -20,8 +20,8 @@ from kvpack import parse_format
 from kvpack.cache import PagedKVCache
 from kvpack.calibration.artifact import CalibratedScales
 from kvpack.calibration.static import StaticScales
-from kvpack.errors import NonFiniteError, PoolExhaustedError, ShapeError
-from kvpack.integrations.vllm.calibration import LayerCalibration
+from kvpack.errors import CalibrationError, NonFiniteError, PoolExhaustedError, ShapeError
+from kvpack.integrations.vllm.calibration import LayerCalibration, layer_calibration, worker_heads
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
@@ -339,3 +339,31 @@ def test_non_finite_rows_are_refused_at_seal_and_nothing_is_written(preset, role
     with pytest.raises(NonFiniteError, match="position 10"):
         sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
     assert torch.equal(sim.buf, before)
+
+
+def test_tensor_parallel_workers_take_their_heads_rows_of_the_scales(tmp_path):
+    """vLLM's sharding of kv heads (an even split, or replicas when heads are fewer than workers), and each worker's
+    slice of an artifact's per-channel scales and outlier channels."""
+    assert [worker_heads(r, 3, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    assert [worker_heads(r, 2, 8) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [worker_heads(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    from kvpack.calibration import Artifact, KVObserver, fingerprint_from_config
+
+    layers, heads = 2, 4
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
+           "num_attention_heads": 8, "num_key_value_heads": heads, "hidden_size": 8 * D, "head_dim": D,
+           "vocab_size": 100, "rope_theta": 10000.0}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    obs = KVObserver(())
+    for layer in range(layers):  # [batch, H, T, D] keys whose channels differ from head to head
+        k = torch.randn(2, heads, 48, D, generator=g) * torch.arange(1, heads + 1).view(1, heads, 1, 1)
+        obs.observe(layer, k, torch.randn(2, heads, 48, D, generator=g))
+    fmt = parse_format("k=int8:channel:asym:static:o4,v=int8:token,sink=1")
+    data = {"name": "test", "samples": 2, "seq_len": 48, "seed": 0, "tokens_sha256": "0" * 64}
+    Artifact.build(*obs.stats(), fmt, fingerprint_from_config(cfg), data).save(tmp_path)
+    whole = layer_calibration(str(tmp_path), fmt, 1, heads, D, torch.device("cpu"))
+    part = layer_calibration(str(tmp_path), fmt, 1, 2, D, torch.device("cpu"), heads=(2, 4))
+    assert torch.equal(part.key.scale, whole.key.scale[2:4]) and torch.equal(part.key.zero, whole.key.zero[2:4])
+    assert torch.equal(part.channels, whole.channels[2:4]) and part.value is None
+    with pytest.raises(CalibrationError, match="kv heads"):
+        layer_calibration(str(tmp_path), fmt, 1, 2, D, torch.device("cpu"), heads=(3, 5))

@@ -50,6 +50,19 @@ def test_full_precision_passthrough_under_tensor_parallelism_gives_the_stock_tok
     assert res["tails_left"] == 0  # summed over the three workers
 
 
+def test_static_scales_are_split_with_the_heads(job, tmp_path):
+    """int8@static on three workers: each seals its kv head with that head's row of the artifact's scales."""
+    args = ["calibrate", "--samples", "8", "--seq-len", "256", "--format", "int8@static", "--out", str(tmp_path)]
+    subprocess.run([sys.executable, "-m", "kvpack.cli.main", *args], capture_output=True, text=True, check=True)
+    res = run_engine({**job, "format": "int8@static", "calibration": str(tmp_path)})
+    single = run_engine({**job, "format": "int8@static", "calibration": str(tmp_path), "engine_kwargs": {}})
+    assert res["tails_left"] == 0 and all(len(o) == 24 for o in res["outputs"])
+    same = sum(a == b for a, b in zip(res["outputs"], single["outputs"]))
+    print(f"int8@static: {same} of {len(res['outputs'])} sequences the same on three workers as on one")
+    # a worker sealing with another head's scales clips its keys and leaves nothing of the single engine's tokens
+    assert same >= len(res["outputs"]) // 2
+
+
 def test_int8_under_tensor_parallelism_holds_its_predicted_capacity_and_releases_every_tail(job, stock):
     res = run_engine({**job, "format": "int8"})
     args = ["size", "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS // TP), "--head-dim", str(HEAD_DIM)]

@@ -25,7 +25,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
-from kvpack.integrations.vllm.calibration import layer_calibration
+from kvpack.integrations.vllm.calibration import layer_calibration, worker_heads
 from kvpack.integrations.vllm.config import Settings, engine_reasons, layer_index, pay_tails, settings_from
 from kvpack.integrations.vllm.hooks import register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
@@ -162,6 +162,22 @@ class KVPackMetadataBuilder(AttentionMetadataBuilder[KVPackMetadata]):
         return KVPackMetadata(plan, StepTensors.from_plan(plan, table), int(qs[-1]), self.table)
 
 
+def _worker_heads(kv_heads: int) -> tuple[int, int] | None:
+    """The model's kv heads ``[h0, h1)`` this tensor-parallel worker holds (None: one worker holds them all)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        world, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except AssertionError:  # no parallel group (a layer built outside an engine)
+        return None
+    if world == 1:
+        return None
+    cfg = get_current_vllm_config_or_none()
+    model = None if cfg is None else cfg.model_config
+    total = kv_heads * world if model is None else model.get_total_num_kv_heads()
+    return worker_heads(rank, world, total)
+
+
 class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
     """One layer: hands its K/V and queries to a :class:`PagedLayer`."""
 
@@ -205,7 +221,9 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
             fmt = self.settings.format_of(name)
             h, d = self.num_kv_heads, self.head_size
-            cal = layer_calibration(self.settings.calibration, fmt, layer_index(name), h, d, query.device)
+            cal = layer_calibration(
+                self.settings.calibration, fmt, layer_index(name), h, d, query.device, heads=_worker_heads(h)
+            )
             self._layer = PagedLayer(fmt, h, d, capacity, query.dtype, query.device, calibration=cal)
 
     def forward(

@@ -23,7 +23,7 @@ from kvpack.errors import CalibrationError, ConfigError
 from kvpack.formats import KVFormat
 from kvpack.plans import LayerPlan
 
-__all__ = ["LayerCalibration", "calibration_reasons", "layer_calibration"]
+__all__ = ["LayerCalibration", "calibration_reasons", "layer_calibration", "worker_heads"]
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,6 @@ def calibration_reasons(vllm_config: Any, plan: LayerPlan, path: str | None) -> 
             f"additional_config['kvpack'] names a calibration, but {plan.name} takes no static scales or outlier "
             'channels, so it would be ignored: drop "calibration" or use a static format such as int8@static'
         ]
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if getattr(parallel, "tensor_parallel_size", 1) > 1:
-        return [
-            "calibrated scales with tensor_parallel_size > 1: each worker would need its kv heads' share of the "
-            "artifact, which the kvpack backend does not slice yet; use tensor_parallel_size=1"
-        ]
     hf = _model_config(vllm_config)
     try:
         art = load_artifact(path, model=hf)
@@ -82,10 +76,36 @@ def _artifact(path: str) -> Artifact:
     return load_artifact(path)  # checked at start-up (calibration_reasons); loaded once per process
 
 
+def worker_heads(rank: int, world: int, total: int) -> tuple[int, int]:
+    """The kv heads ``[h0, h1)`` of tensor-parallel worker ``rank`` of ``world`` when the model has ``total``: a
+    contiguous share each when they split evenly, else (fewer heads than workers) one head that ``world // total``
+    workers hold alike, as vLLM shards ``k_proj`` / ``v_proj``."""
+    if total >= world:
+        share = total // world
+        return rank * share, (rank + 1) * share
+    head = rank // (world // total)
+    return head, head + 1
+
+
+def _cut(scales: LayerScales | None, h0: int, h1: int, total: int) -> LayerScales | None:
+    """``scales`` of heads ``[h0, h1)`` (per-tensor scales, one row for every head, stay whole)."""
+    if scales is None or scales.scale.shape[0] != total or (h0, h1) == (0, total):
+        return scales
+    zero = None if scales.zero is None else scales.zero[h0:h1]
+    return LayerScales(scales.spec, scales.scale[h0:h1], zero)
+
+
 def layer_calibration(
-    path: str | None, fmt: KVFormat, layer: int | None, kv_heads: int, head_dim: int, device: torch.device
+    path: str | None,
+    fmt: KVFormat,
+    layer: int | None,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    heads: tuple[int, int] | None = None,
 ) -> LayerCalibration | None:
-    """Layer ``layer``'s calibration for ``fmt`` from the artifact at ``path`` (None: the format takes none).
+    """Layer ``layer``'s calibration for ``fmt`` from the artifact at ``path`` (None: the format takes none), for
+    the kv heads ``[h0, h1)`` of the model's that this worker holds (``heads``; None: all ``kv_heads``).
 
     Raises:
         ConfigError: a static format without a calibration, or a layer whose number is unknown.
@@ -100,11 +120,16 @@ def layer_calibration(
     from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels
 
     art = _artifact(path)
-    n = int(art.fingerprint["num_layers"])
-    cal = resolve_calibration(fmt, art, n, kv_heads, head_dim, device)
-    channels = resolve_outlier_channels(fmt, art, n, kv_heads, head_dim, device)
+    n, total = int(art.fingerprint["num_layers"]), int(art.fingerprint["kv_heads"])
+    h0, h1 = heads if heads is not None else (0, kv_heads)
+    if h1 - h0 != kv_heads or not 0 <= h0 < h1 <= total:
+        raise CalibrationError(
+            f"this worker holds kv heads [{h0}, {h1}) of a layer with {kv_heads}, and the artifact's model has {total}"
+        )
+    cal = resolve_calibration(fmt, art, n, total, head_dim, device)
+    channels = resolve_outlier_channels(fmt, art, n, total, head_dim, device)
     key = value = None
     if cal is not None:
-        key = None if cal.key is None else cal.key.layer(layer)
-        value = None if cal.value is None else cal.value.layer(layer)
-    return LayerCalibration(key, value, None if channels is None else channels[layer])
+        key = None if cal.key is None else _cut(cal.key.layer(layer), h0, h1, total)
+        value = None if cal.value is None else _cut(cal.value.layer(layer), h0, h1, total)
+    return LayerCalibration(key, value, None if channels is None else channels[layer, h0:h1])
