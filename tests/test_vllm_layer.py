@@ -18,6 +18,7 @@ import torch
 
 from kvpack import parse_format
 from kvpack.cache import PagedKVCache
+from kvpack.calibration import CalibrationDriftWarning
 from kvpack.calibration.artifact import CalibratedScales
 from kvpack.calibration.static import StaticScales
 from kvpack.errors import CalibrationError, NonFiniteError, PoolExhaustedError, ShapeError
@@ -367,3 +368,20 @@ def test_tensor_parallel_workers_take_their_heads_rows_of_the_scales(tmp_path):
     assert torch.equal(part.channels, whole.channels[2:4]) and part.value is None
     with pytest.raises(CalibrationError, match="kv heads"):
         layer_calibration(str(tmp_path), fmt, 1, 2, D, torch.device("cpu"), heads=(3, 5))
+
+
+def test_inputs_outside_the_static_range_warn_once_they_pass_the_threshold():
+    fmt = parse_format("int8@static")
+    narrow = StaticScales(
+        "key", fmt.key, torch.full((1, H, 1, D), 2.0 / 255).half(), torch.full((1, H, 1, D), -1.0).half(), "absmax"
+    )
+    layer = PagedLayer(
+        fmt, H, D, 2, torch.float32, torch.device("cpu"), calibration=LayerCalibration(narrow.layer(0), None, None, 7)
+    )
+    kv_cache, _ = _pages(layer.layout, 6)
+    table = TailTable(6, 2, fmt.block_size, fmt.sink)
+    plan = _plan(table, [(0, 64, [3])])
+    with pytest.warns(CalibrationDriftWarning, match="layer 7"):  # keys ~ randn * 3 against a range of [-1, 1]
+        layer.write(kv_cache, plan, torch.randn(64, H, D) * 3, torch.randn(64, H, D))
+    report = layer.clip_monitor.report()
+    assert report["layers_over_threshold"] == [7] and report["sealed"][7] == 64 * H * D

@@ -34,11 +34,13 @@ class LayerCalibration:
         key, value: the static scales of the layer's static key / value spec (``[Hs, 1, Cs]``), else None.
         channels: ``[kv_heads, k]`` int64, the artifact's outlier key channels of the layer (key specs with
             outlier channels), else None: chosen per block at seal time.
+        layer: the layer's number (its clip monitor's warnings name it).
     """
 
     key: LayerScales | None
     value: LayerScales | None
     channels: torch.Tensor | None
+    layer: int = 0
 
 
 def _model_config(vllm_config: Any) -> Any:
@@ -132,4 +134,4 @@ def layer_calibration(
     if cal is not None:
         key = None if cal.key is None else _cut(cal.key.layer(layer), h0, h1, total)
         value = None if cal.value is None else _cut(cal.value.layer(layer), h0, h1, total)
-    return LayerCalibration(key, value, None if channels is None else channels[layer, h0:h1])
+    return LayerCalibration(key, value, None if channels is None else channels[layer, h0:h1], layer)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvpack.cache.write import seal_outliers
-from kvpack.calibration.static import seal_with_static
+from kvpack.calibration.static import ClipMonitor, seal_with_static
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layout import PageLayout
@@ -79,7 +79,9 @@ class PagedLayer:
     Args:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
         dtype: the model's activation dtype (tails and queries); device: where the pages live.
-        calibration: the layer's static scales and outlier channels (a format with static specs needs them).
+        calibration: the layer's static scales and outlier channels (a format with static specs needs them); values
+            that fall outside the static scales' range are counted in ``clip_monitor``, which warns
+            (:class:`~kvpack.calibration.CalibrationDriftWarning`) past 1% of a layer's sealed values.
     """
 
     def __init__(
@@ -94,6 +96,9 @@ class PagedLayer:
     ) -> None:
         self.format = fmt
         self.calibration = calibration
+        # values outside the static scales' range, counted as blocks seal: a warning when the inputs drift from the
+        # calibration text (kvpack.calibration.ClipMonitor, as in kvpack's own cache)
+        self.clip_monitor = ClipMonitor(calibration.layer + 1) if calibration and fmt.is_static else None
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.capacity, self.device = capacity, torch.device(device)
@@ -158,14 +163,16 @@ class PagedLayer:
             cal = self.calibration
             scales = None if cal is None else (cal.key if prefix == "k" else cal.value)
             if spec.has_outliers:  # keys only: the artifact's channels, else chosen per block, as in kvpack's cache
-                qt, _, (parts["outlier"], parts["outlier_idx"]) = seal_outliers(
+                qt, clipped, (parts["outlier"], parts["outlier_idx"]) = seal_outliers(
                     x, spec, scales, None if cal is None else cal.channels
                 )
                 rows |= {p: pools.get(f"{prefix}_{p}_bytes") for p in parts}
             elif spec.static:
-                qt, _ = seal_with_static(x, spec, scales)  # a missing scale: CalibrationError, nothing written
+                qt, clipped = seal_with_static(x, spec, scales)  # the scales: checked at start-up (calibration.py)
             else:
-                qt = quantize(x, spec)
+                qt, clipped = quantize(x, spec), 0
+            if spec.static and self.clip_monitor is not None:
+                self.clip_monitor.record(cal.layer, clipped, x.numel())
             parts |= {"data": qt.data, "scale": qt.scale, "zero": qt.zero}
             for part, t in parts.items():
                 if t is not None:
