@@ -158,25 +158,31 @@ def test_bench_generate_delegates_or_explains(monkeypatch, capsys) -> None:
     assert "not available" in capsys.readouterr().err
 
 
-def test_spec_ab_script_times_each_setting_and_restores_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``benchmarks/cpu_spec_ab.py`` (settings of a spec parameter alternated in one process) on a small
-    context: one row per setting, ratios to the first, and the parameter set back afterwards."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_spec_ab.py"
-    spec = importlib.util.spec_from_file_location("cpu_spec_ab", path)
+def _run_script(name: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys) -> list[str]:
+    """``benchmarks/<name>.py`` run in this process with ``argv``; its output lines (torch's threads restored)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    states = []
-    prepare = cpu_decode._prepare
-    monkeypatch.setattr(cpu_decode, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
-    monkeypatch.setattr(sys, "argv", ["x", "--values", "16,1", "--context", "1024", "--rounds", "2", "--threads", "1"])
+    monkeypatch.setattr(sys, "argv", ["x", *argv])
     old = torch.get_num_threads()
     try:
         mod.main()
     finally:
         torch.set_num_threads(old)
-    lines = capsys.readouterr().out.splitlines()
+    return capsys.readouterr().out.splitlines()
+
+
+def test_spec_ab_script_times_each_setting_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/cpu_spec_ab.py`` (settings of a spec parameter alternated in one process) on a small
+    context: one row per setting, ratios to the first, and the parameter set back afterwards."""
+    states = []
+    prepare = cpu_decode._prepare
+    monkeypatch.setattr(cpu_decode, "_prepare", lambda kv: states.append(prepare(kv)) or states[-1])
+    argv = ["--values", "16,1", "--context", "1024", "--rounds", "2", "--threads", "1"]
+    lines = _run_script("cpu_spec_ab", argv, monkeypatch, capsys)
     assert "P_MULTI" in lines[0] and "ns per (token, kv head)" in lines[0]
     rows = [ln.split() for ln in lines[1:]]  # median, setting, "ratios", one ratio per round
     assert [r[1] for r in rows] == ["16", "1"] and all(float(r[0]) > 0 for r in rows)
@@ -190,18 +196,8 @@ def test_format_ab_script_times_each_format_on_the_same_data(
 ) -> None:
     """``benchmarks/cpu_format_ab.py`` (formats alternated in one process): one row per format in the order
     given, each timed in every round, ratios to the first."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_format_ab.py"
-    spec = importlib.util.spec_from_file_location("cpu_format_ab", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    argv = ["x", "--formats", "int8;k=int8,v=int8,sink=1", "--context", "1024", "--rounds", "3", "--threads", "2"]
-    monkeypatch.setattr(sys, "argv", argv)
-    old = torch.get_num_threads()
-    try:
-        mod.main()
-    finally:
-        torch.set_num_threads(old)
-    lines = capsys.readouterr().out.splitlines()
+    argv = ["--formats", "int8;k=int8,v=int8,sink=1", "--context", "1024", "--rounds", "3", "--threads", "2"]
+    lines = _run_script("cpu_format_ab", argv, monkeypatch, capsys)
     assert lines[0] == "context 1024: ms, 2 threads"
     rows = [ln.split() for ln in lines[1:]]
     assert [r[1] for r in rows] == ["int8", "k=int8,v=int8,sink=1"] and all(float(r[0]) > 0 for r in rows)
