@@ -365,25 +365,37 @@ def _vdot_ir(name: str, kind: int, isa: str) -> str:
     for e in range(2):  # plane-order channel of unit e: plane * dp + 32 * piece
         lines += [f"  %cb{e}.a = mul i64 %pl{e}, %dp", f"  %cb{e} = add i64 %cb{e}.a, %bo{e}"]
     for g in range(4):
-        lines += [f"  %wi{g} = extractelement <4 x float> %wi4, i64 {g}",
-                  f"  %wiv{g}.i = insertelement <16 x float> poison, float %wi{g}, i64 0",
-                  f"  %wiv{g} = shufflevector <16 x float> %wiv{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}",
-                  f"  %ab{g} = mul i64 %ld, {g}"]  # fmt: skip
+        _ir_head_weight(lines, "%", g)
         for e in range(2):
             for h in range(2):
                 n = g * 4 + e * 2 + h
-                lines += [f"  %f{n} = sitofp <16 x i32> %a{n}.out to <16 x float>",
-                          f"  %c{n}.a = add i64 %ab{g}, %cb{e}", f"  %c{n} = add i64 %c{n}.a, {16 * h}",
-                          f"  %p{n} = getelementptr float, ptr %acc, i64 %c{n}",
-                          f"  %o{n} = load <16 x float>, ptr %p{n}, align 4",
-                          f"  %m{n} = fmul <16 x float> %f{n}, %wiv{g}",
-                          f"  %s{n} = fadd <16 x float> %o{n}, %m{n}",
-                          f"  store <16 x float> %s{n}, ptr %p{n}, align 4"]  # fmt: skip
+                chan = [f"  %c{n}.a = add i64 %ab{g}, %cb{e}", f"  %c{n} = add i64 %c{n}.a, {16 * h}"]
+                _ir_acc_add(lines, "%", n, f"%a{n}.out", g, chan)
     lines += ["  %ui.next = add i64 %ui, 1", "  %uc.n = mul i64 %ui.next, 2", "  %uc = icmp ult i64 %uc.n, %nu",
               "  br i1 %uc, label %unit, label %exit", "exit:", "  ret void"]  # fmt: skip
     _vdot_narrow(lines, kind, isa)
     lines.append("}")
     return "\n".join(lines) + "\n" + _ir_decl(isa) + _IR_PREFETCH + _ir_lut_decl(kind, isa)
+
+
+def _ir_head_weight(lines: list[str], p: str, g: int) -> None:
+    """The value loops' end, head ``g``: ``{p}wiv{g}``, its weights' inverse scale (``%wi4[g]``) in 16 lanes, and
+    ``{p}ab{g}``, its row of ``acc`` (``g * %ld``). ``p``: the names' prefix (``%`` or ``%n.``)."""
+    lines += [f"  {p}wi{g} = extractelement <4 x float> %wi4, i64 {g}",
+              f"  {p}wiv{g}.i = insertelement <16 x float> poison, float {p}wi{g}, i64 0",
+              f"  {p}wiv{g} = shufflevector <16 x float> {p}wiv{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}",
+              f"  {p}ab{g} = mul i64 %ld, {g}"]  # fmt: skip
+
+
+def _ir_acc_add(lines: list[str], p: str, n: int, src: str, g: int, chan: list[str]) -> None:
+    """``acc[{p}c{n} .. + 16] += float(src) * {p}wiv{g}``: integer sums ``src`` (<16 x i32>) of head ``g`` into the
+    float accumulator, at the channel ``{p}c{n}`` that the lines ``chan`` compute."""
+    lines += [f"  {p}f{n} = sitofp <16 x i32> {src} to <16 x float>", *chan,
+              f"  {p}p{n} = getelementptr float, ptr %acc, i64 {p}c{n}",
+              f"  {p}o{n} = load <16 x float>, ptr {p}p{n}, align 4",
+              f"  {p}m{n} = fmul <16 x float> {p}f{n}, {p}wiv{g}",
+              f"  {p}s{n} = fadd <16 x float> {p}o{n}, {p}m{n}",
+              f"  store <16 x float> {p}s{n}, ptr {p}p{n}, align 4"]  # fmt: skip
 
 
 def _vdot_narrow(lines: list[str], kind: int, isa: str) -> None:
@@ -435,19 +447,11 @@ def _vdot_narrow(lines: list[str], kind: int, isa: str) -> None:
     lines += ["  %n.pi.next = add i64 %n.pi, 1", "  %n.pc = icmp ult i64 %n.pi.next, %npairs",
               "  br i1 %n.pc, label %nloop, label %nend", "nend:"]  # fmt: skip
     for g in range(4):
-        lines += [f"  %n.wi{g} = extractelement <4 x float> %wi4, i64 {g}",
-                  f"  %n.wiv{g}.i = insertelement <16 x float> poison, float %n.wi{g}, i64 0",
-                  f"  %n.wiv{g} = shufflevector <16 x float> %n.wiv{g}.i, <16 x float> poison, {_ir_mask([0] * 16)}",
-                  f"  %n.ab{g} = mul i64 %ld, {g}"]  # fmt: skip
+        _ir_head_weight(lines, "%n.", g)
         for k in range(4):  # plane-order channel of plane k: k * dp
             n = g * 4 + k
-            lines += [f"  %n.f{n} = sitofp <16 x i32> %n.a{n}.d to <16 x float>",
-                      f"  %n.cb{n} = mul i64 %dp, {k}", f"  %n.c{n} = add i64 %n.ab{g}, %n.cb{n}",
-                      f"  %n.p{n} = getelementptr float, ptr %acc, i64 %n.c{n}",
-                      f"  %n.o{n} = load <16 x float>, ptr %n.p{n}, align 4",
-                      f"  %n.m{n} = fmul <16 x float> %n.f{n}, %n.wiv{g}",
-                      f"  %n.s{n} = fadd <16 x float> %n.o{n}, %n.m{n}",
-                      f"  store <16 x float> %n.s{n}, ptr %n.p{n}, align 4"]  # fmt: skip
+            chan = [f"  %n.cb{n} = mul i64 %dp, {k}", f"  %n.c{n} = add i64 %n.ab{g}, %n.cb{n}"]
+            _ir_acc_add(lines, "%n.", n, f"%n.a{n}.d", g, chan)
     lines.append("  ret void")
 
 

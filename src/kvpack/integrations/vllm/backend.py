@@ -108,7 +108,7 @@ class KVPackAttentionBackend(AttentionBackend):
             return [*reasons, str(e)]
         if settings is None:
             return [*reasons, 'kvpack: no format given; pass additional_config={"kvpack": {"format": "int4"}}']
-        reasons += engine_reasons(cfg, settings.plan)
+        reasons += engine_reasons(cfg, settings.plan, settings.calibration)
         if not reasons:
             try:
                 pay_tails(cfg, settings.format)

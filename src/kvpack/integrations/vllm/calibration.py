@@ -43,14 +43,9 @@ class LayerCalibration:
     layer: int = 0
 
 
-def _model_config(vllm_config: Any) -> Any:
-    model = getattr(vllm_config, "model_config", None)
-    return None if model is None else (getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None))
-
-
-def calibration_reasons(vllm_config: Any, plan: LayerPlan, path: str | None) -> list[str]:
-    """Why the engine cannot take calibration ``path`` for ``plan`` (empty: it can). Each reason says what to
-    change."""
+def calibration_reasons(model_config: Any, plan: LayerPlan, path: str | None) -> list[str]:
+    """Why an engine of ``model_config`` (the model's transformers config; None: not checked) cannot take the
+    calibration artifact in folder ``path`` for ``plan`` (empty: it can). Each reason says what to change."""
     static = [f for f in plan.distinct_formats if f.is_static]
     if path is None:
         return [
@@ -63,9 +58,8 @@ def calibration_reasons(vllm_config: Any, plan: LayerPlan, path: str | None) -> 
             f"additional_config['kvpack'] names a calibration, but {plan.name} takes no static scales or outlier "
             'channels, so it would be ignored: drop "calibration" or use a static format such as int8@static'
         ]
-    hf = _model_config(vllm_config)
     try:
-        art = load_artifact(path, model=hf)
+        art = load_artifact(path, model=model_config)
         for f in static:
             art.check_format(f)
     except (CalibrationError, ConfigError) as e:

@@ -157,9 +157,9 @@ def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int
     return vllm_tail_bytes(fmt, num_layers, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), seqs)
 
 
-def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
-    """Why this engine cannot run ``fmt``, a format or a per-layer plan (empty: it can). Each reason says what
-    to change."""
+def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: str | None = None) -> list[str]:
+    """Why this engine cannot run ``fmt``, a format or a per-layer plan, with the calibration artifact in folder
+    ``calibration`` (empty: it can). Each reason says what to change."""
     reasons = []
     plan = parse_plan(fmt)
     base = plan.base
@@ -174,9 +174,6 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
             f"block_size={cache.block_size} but format {base.name or base.spec_string()} seals blocks of "
             f"{base.block_size}: pass block_size={base.block_size} or a format with block={cache.block_size}"
         )
-    raw = _raw(vllm_config)
-    path = raw.get("calibration") if isinstance(raw, dict) else None
-    reasons += calibration_reasons(vllm_config, plan, path if isinstance(path, str) else None)
     if getattr(vllm_config, "speculative_config", None) is not None:
         reasons.append(
             "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "
@@ -187,10 +184,11 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
             "KV transfer/offload connectors move pages the kvpack backend lays out itself; drop kv_transfer_config"
         )
     model = getattr(vllm_config, "model_config", None)
+    hf = None if model is None else (getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None))
+    reasons += calibration_reasons(hf, plan, calibration)
     if model is not None:
         if getattr(model, "use_mla", False):
             reasons.append("MLA models (latent KV) are not served by the kvpack backend")
-        hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
         window = getattr(hf, "sliding_window", None) if hf is not None else None
         if window and getattr(hf, "use_sliding_window", True) is not False:
             reasons.append(
@@ -208,12 +206,12 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
     return reasons
 
 
-def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan) -> list[str]:
+def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: str | None = None) -> list[str]:
     """:func:`startup_reasons`, and whether the hook that releases finished requests' tails is in place: vLLM's V1
     model runner (``GPUModelRunner._update_states``, which the CPU runner inherits)."""
     from kvpack.integrations.vllm import hooks
 
-    reasons = startup_reasons(vllm_config, fmt)
+    reasons = startup_reasons(vllm_config, fmt, calibration)
     if not hooks.install():
         reasons.append(
             "this vLLM's GPUModelRunner has no _update_states (finished requests) or get_kv_cache_spec (per-layer "

@@ -38,7 +38,7 @@ class KVPackCpuPlatform(CpuPlatform):
         # mamba layers at vLLM's default, where other platforms ask the backend)
         if not vllm_config.cache_config.user_specified_block_size:
             vllm_config.cache_config.block_size = settings.format.block_size
-        reasons = engine_reasons(vllm_config, settings.plan)
+        reasons = engine_reasons(vllm_config, settings.plan, settings.calibration)
         if reasons:
             raise ConfigError("kvpack cannot serve this engine: " + "; ".join(reasons))
         pay_tails(vllm_config, settings.format)
