@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpack.errors import ConfigError
 from kvpack.integrations.vllm.engine import run_engine
 
 __all__ = ["PROVIDERS", "Row", "base_job", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
@@ -34,6 +35,7 @@ PROVIDERS = {
 # running batch: at their longest the quick workload's sequences need about 14k tokens of KV, and vLLM's own
 # float32 cache holds 4k of them in 192 MiB, so it runs about a third of the requests at once and preempts.
 FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
+DTYPES = ("float32", "bfloat16", "float16")
 QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
 
 
@@ -73,9 +75,13 @@ def base_job(
     kv_mib: int | None = None,
     max_num_seqs: int | None = None,
     kernel: str = "auto",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """The engine job every provider of a run shares (:mod:`kvpack.integrations.vllm.engine`): the workload's
-    prompts, limits and KV space; a provider adds its keys (:func:`provider_job`)."""
+    prompts, limits, KV space and the model's dtype (``float32``, ``bfloat16`` or ``float16``: vLLM's own cache
+    and kvpack's tails and sink rows take it); a provider adds its keys (:func:`provider_job`)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     from kvpack.models.embedded import ensure_converted
 
     cfg = QUICK if quick else FULL
@@ -91,6 +97,7 @@ def base_job(
         "max_model_len": -(-longest // 64) * 64,
         "max_num_batched_tokens": 512,
         "kernel": kernel,
+        "dtype": dtype,
         "warmup_requests": 4,  # decode on several threads compiles in the warm-up, not in the timing
     }
 
@@ -102,9 +109,10 @@ def run(
     kv_mib: int | None = None,
     max_num_seqs: int | None = None,
     kernel: str = "auto",
+    dtype: str = "float32",
 ) -> list[Row]:
     """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
-    base = base_job(quick, model, kv_mib, max_num_seqs, kernel)
+    base = base_job(quick, model, kv_mib, max_num_seqs, kernel, dtype)
     rows, reference = [], None
     for name in providers or list(PROVIDERS):
         res = run_engine({**base, **provider_job(name)})

@@ -118,6 +118,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--max-num-seqs", type=int_in(1, 4096), default=None, help="vLLM's max_num_seqs (default 32)")
     v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
+    v.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the model's dtype, which vLLM's own cache and kvpack's tails take (default float32)",
+    )
     v.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     # generate is another module's: its options are parsed when it runs (see _run_generate)
     g = sub.add_parser(
@@ -222,7 +228,12 @@ def _run_vllm(args: argparse.Namespace) -> int:
                 ) from None
     compile_cpu_kernels(args.kernel)  # once here: every engine process then loads them from numba's cache
     rows = bench.run(
-        providers, quick=args.quick, kv_mib=args.kv_mib, max_num_seqs=args.max_num_seqs, kernel=args.kernel
+        providers,
+        quick=args.quick,
+        kv_mib=args.kv_mib,
+        max_num_seqs=args.max_num_seqs,
+        kernel=args.kernel,
+        dtype=args.dtype,
     )
     print(bench.to_json(rows) if args.json else bench.table(rows))
     return 0
