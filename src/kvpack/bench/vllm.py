@@ -35,8 +35,8 @@ PROVIDERS = {
 # running batch: at their longest the quick workload's sequences need about 14k tokens of KV, and vLLM's own
 # float32 cache holds 4k of them in 192 MiB, so it runs about a third of the requests at once and preempts.
 FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
-DTYPES = ("float32", "bfloat16", "float16")
 QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
+DTYPES = ("float32", "bfloat16", "float16")  # the model's dtype (``--dtype``): vLLM's cache and kvpack's tails take it
 
 
 @dataclass
