@@ -21,6 +21,7 @@ from kvpack.plans import LayerPlan, is_plan, parse_plan
 
 __all__ = [
     "GIB",
+    "MODEL_DTYPE_BYTES",
     "FormatRow",
     "SizeEstimate",
     "VllmPage",
@@ -437,6 +438,8 @@ def advice(p: SizeEstimate) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # vLLM pages (kvpack.integrations.vllm.layout lays them out from these numbers)
 
+# A model's activation dtypes under vLLM and their bytes: its own cache, and kvpack's tails and sink rows, take them
+MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 VLLM_ALIGN = 16  # bytes: every region of a page starts on a multiple, so any element type is aligned
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvpack.errors import ConfigError
 from kvpack.integrations.vllm.engine import run_engine
+from kvpack.sizing import MODEL_DTYPE_BYTES
 
 __all__ = ["PROVIDERS", "Row", "base_job", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
 
@@ -36,7 +37,6 @@ PROVIDERS = {
 # float32 cache holds 4k of them in 192 MiB, so it runs about a third of the requests at once and preempts.
 FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
 QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
-DTYPES = ("float32", "bfloat16", "float16")  # the model's dtype (``--dtype``): vLLM's cache and kvpack's tails take it
 
 
 @dataclass
@@ -80,8 +80,8 @@ def base_job(
     """The engine job every provider of a run shares (:mod:`kvpack.integrations.vllm.engine`): the workload's
     prompts, limits, KV space and the model's dtype (``float32``, ``bfloat16`` or ``float16``: vLLM's own cache
     and kvpack's tails and sink rows take it); a provider adds its keys (:func:`provider_job`)."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype not in MODEL_DTYPE_BYTES:
+        raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPE_BYTES)}; got {dtype!r}")
     from kvpack.models.embedded import ensure_converted
 
     cfg = QUICK if quick else FULL

@@ -14,6 +14,7 @@ import sys
 from kvpack.cli.args import int_in, out_file
 from kvpack.cli.compile_note import compile_cpu_kernels
 from kvpack.errors import ConfigError, KVPackError
+from kvpack.sizing import MODEL_DTYPE_BYTES
 
 DECODE_EPILOG = """\
 examples:
@@ -120,7 +121,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
     v.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
+        choices=tuple(MODEL_DTYPE_BYTES),
         default="float32",
         help="the model's dtype, which vLLM's own cache and kvpack's tails take (default float32)",
     )

@@ -7,6 +7,7 @@ import json
 import re
 
 from kvpack.errors import ConfigError, FormatError
+from kvpack.sizing import MODEL_DTYPE_BYTES
 
 EPILOG = """\
 sizes accept k = 1024 and m = 1024*1024: --context 8k, 128k, 1m.
@@ -53,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", default="256", help="vLLM's max_num_seqs: the kvpack tails it pays for (256)")
     p.add_argument(
         "--dtype",
-        choices=("float16", "bfloat16", "float32"),
+        choices=tuple(MODEL_DTYPE_BYTES),
         default="bfloat16",
         help="the model's activation dtype under vLLM: its tails, sink rows and own cache (default bfloat16)",
     )
@@ -201,7 +202,7 @@ def list_models() -> str:
 def _vllm(args: argparse.Namespace) -> tuple[int, int, int] | None:
     if args.vllm_space is None:
         return None
-    act = {"float16": 2, "bfloat16": 2, "float32": 4}[args.dtype]
+    act = MODEL_DTYPE_BYTES[args.dtype]
     return parse_mem(args.vllm_space, "--vllm-space"), _positive_int(args.max_num_seqs, "--max-num-seqs"), act
 
 
