@@ -10,6 +10,7 @@ same codes and the same attention.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvpack.integrations.vllm.calibration import LayerCalibration, layer_calibra
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
+from kvpack.kernels import cpu_seal
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.testing import CPU_CHUNK_TOL, assert_close, cpu_kernel_tolerance
 
@@ -385,3 +387,51 @@ def test_inputs_outside_the_static_range_warn_once_they_pass_the_threshold():
         layer.write(kv_cache, plan, torch.randn(64, H, D) * 3, torch.randn(64, H, D))
     report = layer.clip_monitor.report()
     assert report["layers_over_threshold"] == [7] and report["sealed"][7] == 64 * H * D
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", ["int8", "int4", "k4v2"])
+def test_compiled_writes_store_the_same_bytes_as_the_torch_path(preset, dtype):
+    """Tail rows and seals in compiled calls (``kvpack.kernels.cpu_seal.write_rows`` / ``seal_step``) against the
+    torch scatter and gather with ``quantize``: the same pages and tails, bit for bit, in every model dtype, over
+    steps that open, fill from a tail, seal straight from a prefill chunk and move tails between slots."""
+    fmt = parse_format(preset)
+    b = fmt.block_size
+    layers, caches, bufs, tables = [], [], [], []
+    for compiled in (True, False):
+        layer = PagedLayer(fmt, H, D, 3, dtype, torch.device("cpu"))
+        assert layer._compiled_writes
+        layer._compiled_writes = compiled
+        kv_cache, buf = _pages(layer.layout, 12)
+        layers.append(layer), caches.append(kv_cache), bufs.append(buf)
+        tables.append(TailTable(12, 3, b, fmt.sink))
+    gen = torch.Generator().manual_seed(7)
+    steps = [
+        [(0, b + 5, [3, 4])],  # a prefill that seals one block and leaves 5 rows in a tail
+        [(b + 5, 1, [3, 4]), (0, 3, [6])],  # a decode row and a new request
+        [(b + 6, b - 6, [3, 4]), (3, 1, [6])],  # the first request's tail fills and seals
+        [(3 + 1, 2 * b, [6, 7, 8])],  # the first request is not scheduled: its tail stays, the other's moves
+    ]
+    for rows in steps:
+        n = sum(t for _, t, _ in rows)
+        k = torch.randn(n, H, D, generator=gen).to(dtype) * 3
+        v = torch.randn(n, H, D, generator=gen).to(dtype)
+        for layer, kv_cache, table in zip(layers, caches, tables):
+            layer.write(kv_cache, _plan(table, rows), k, v)
+    assert torch.equal(bufs[0], bufs[1])
+    assert torch.equal(layers[0].tail_k.view(torch.uint8), layers[1].tail_k.view(torch.uint8))
+    assert torch.equal(layers[0].tail_v.view(torch.uint8), layers[1].tail_v.view(torch.uint8))
+    assert (bufs[0][:, 1] == POISON).all()  # no write strayed into the foreign pages between blocks
+
+
+def test_compiled_tail_writes_refuse_rows_outside_the_tails():
+    tails = (torch.zeros(2, H, 8, D), torch.zeros(2, H, 8, D))
+    new = (torch.ones(4, H, D), torch.ones(4, H, D))
+    i64 = functools.partial(np.array, dtype=np.int64)
+    cpu_seal.write_rows(tails, new, i64([1, 3]), i64([0, 1]), i64([2, 7]))
+    assert tails[0][0, :, 2].eq(1).all() and tails[1][1, :, 7].eq(1).all() and tails[0].sum() == 2 * H * D
+    for toks, slots, offs in (([4], [0], [0]), ([0], [2], [0]), ([0], [0], [8]), ([0, 0], [0, -1], [0, 0])):
+        before = [t.clone() for t in tails]
+        with pytest.raises(ShapeError, match="outside the tails"):
+            cpu_seal.write_rows(tails, new, i64(toks), i64(slots), i64(offs))
+        assert all(torch.equal(a, t) for a, t in zip(before, tails))

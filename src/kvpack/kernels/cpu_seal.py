@@ -17,7 +17,7 @@ import torch
 from kvpack.errors import ShapeError
 from kvpack.formats import QuantSpec, ScaleDType
 
-__all__ = ["gather_blocks", "seal_blocks", "supports"]
+__all__ = ["ROW_DTYPES", "available", "gather_blocks", "seal_blocks", "seal_step", "supports", "write_rows"]
 
 
 def supports(spec: QuantSpec) -> bool:
@@ -29,6 +29,11 @@ def supports(spec: QuantSpec) -> bool:
         and not (spec.static or spec.rotate or spec.has_outliers)
         and _numba() is not None
     )
+
+
+def available() -> bool:
+    """Whether the compiled loops can run (numba is installed)."""
+    return _numba() is not None
 
 
 @functools.cache
@@ -46,24 +51,20 @@ def _f16_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-def gather_blocks(
+# the tails' dtypes the compiled step takes, and their element kind in cpu_seal_numba (F32, BF16, F16)
+ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _rows_np(t: torch.Tensor) -> np.ndarray:
+    """float32 as is, bfloat16 / float16 as their uint16 bits (numpy has no bfloat16)."""
+    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
+
+
+def _check_gather(
     tail: torch.Tensor, new: torch.Tensor, slots: np.ndarray, froms: np.ndarray, toks: np.ndarray
-) -> tuple[torch.Tensor, bool]:
-    """The blocks a step fills, in one compiled pass (where a torch gather cost a ``cat`` per block, a ``stack``
-    and a finiteness check: ~45 us per block in the vLLM backend).
-
-    Args:
-        tail: ``[capacity, H, T, D]`` float32, contiguous: the open blocks' rows (a tail slot per block).
-        new: ``[N, H, D]`` float32: the step's rows.
-        slots, froms, toks: ``[K]``: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` rows, then ``new``'s
-            rows from ``toks[i]`` on (``slots[i]`` unused, -1 in a step's plan, where ``froms[i]`` is 0).
-
-    Returns:
-        ``([K, H, T, D]`` float32 blocks, whether every value is finite).
-
-    Raises:
-        ShapeError: an index outside ``tail`` or ``new`` (nothing read).
-    """
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int64 index arrays, after checking that every block's rows lie inside ``tail`` and ``new`` (the
+    compiled loops do not check their indices)."""
     k, (cap, h, t, d) = len(slots), tail.shape
     i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
     slots, froms, toks = i64(slots), i64(froms), i64(toks)
@@ -73,10 +74,35 @@ def gather_blocks(
         and 0 <= froms.min() <= froms.max() <= t
         and toks.min() >= 0
         and (toks + t - froms).max() <= new.shape[0]
-    ):  # the compiled loop does not check its indices
+    ):
         raise ShapeError(f"gather_blocks: rows outside the tails {tuple(tail.shape)} or the step's {tuple(new.shape)}")
+    return slots, froms, toks
+
+
+def gather_blocks(
+    tail: torch.Tensor, new: torch.Tensor, slots: np.ndarray, froms: np.ndarray, toks: np.ndarray
+) -> tuple[torch.Tensor, bool]:
+    """The blocks a step fills, in one compiled pass (where a torch gather cost a ``cat`` per block, a ``stack``
+    and a finiteness check: ~45 us per block in the vLLM backend).
+
+    Args:
+        tail: ``[capacity, H, T, D]`` float32, bfloat16 or float16 (:data:`ROW_DTYPES`): the open blocks' rows (a
+            tail slot per block). new: ``[N, H, D]``, the same dtype: the step's rows.
+        slots, froms, toks: ``[K]``: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` rows, then ``new``'s
+            rows from ``toks[i]`` on (``slots[i]`` unused, -1 in a step's plan, where ``froms[i]`` is 0).
+
+    Returns:
+        ``([K, H, T, D]`` float32 blocks, whether every value is finite).
+
+    Raises:
+        ShapeError: an index outside ``tail`` or ``new`` (nothing read).
+    """
+    slots, froms, toks = _check_gather(tail, new, slots, froms, toks)
+    k, (_, h, t, d) = len(slots), tail.shape
     out = np.empty((k, h, t, d), np.float32)
-    ok = _numba().gather_blocks(tail.numpy(), new.contiguous().numpy(), slots, froms, toks, out)
+    ok = _numba().gather_into(
+        *map(_rows_np, (tail, new)), ROW_DTYPES[tail.dtype], _f16_table(), slots, froms, toks, out
+    )
     return torch.from_numpy(out), bool(ok)
 
 
@@ -110,3 +136,71 @@ def seal_blocks(
     err = nbm.seal_int(xf, hs, ts, cs, spec.bits, spec.has_zero, spec.qmin, spec.qmax, _f16_table(),
                        np.ascontiguousarray(ids, dtype=np.int64), dn, sn, zn)  # fmt: skip
     return err == 0
+
+
+def _spec_args(spec: QuantSpec, h: int, t: int, d: int) -> tuple:
+    return (*spec.granularity.scale_shape(h, t, d), spec.bits, spec.has_zero, spec.qmin, spec.qmax)
+
+
+def seal_step(
+    tails: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    slots: np.ndarray,
+    froms: np.ndarray,
+    toks: np.ndarray,
+    ids: np.ndarray,
+    specs: tuple[QuantSpec, QuantSpec],
+    rows: tuple[tuple, tuple],
+) -> bool:
+    """Gather and seal a step's filled blocks, keys and values, in one compiled call: what :func:`gather_blocks`
+    then :func:`seal_blocks` for each do, with tails in any of :data:`ROW_DTYPES` (bfloat16 and float16 widened
+    exactly, as :func:`kvpack.quant.quantize` does).
+
+    Args:
+        tails: ``[capacity, H, T, D]`` contiguous key and value tails; new: ``[N, H, D]`` contiguous, the step's
+            rows, the tails' dtype. slots, froms, toks: as in :func:`gather_blocks`; ids: ``[K]`` destination rows.
+        specs: the key and value specs (:func:`supports` both). rows: ``(data, scale, zero)`` for each, as in
+            :func:`seal_blocks`.
+
+    Returns:
+        False, with nothing written, when a key or value is not finite (raise with
+        :func:`kvpack.quant._raise_non_finite` on :func:`gather_blocks`' result).
+
+    Raises:
+        ShapeError: an index outside the tails or the step's rows (nothing read).
+    """
+    slots, froms, toks = _check_gather(tails[0], new[0], slots, froms, toks)
+    _, h, t, d = tails[0].shape
+    kind = ROW_DTYPES[tails[0].dtype]
+    buf_k, buf_v = (np.empty((len(slots), h, t, d), np.float32) for _ in range(2))
+    (kd, ks, kz), (vd, vs, vz) = rows
+    err = _numba().seal_step(
+        *map(_rows_np, (*tails, *new)), kind, _f16_table(), slots, froms, toks,
+        np.ascontiguousarray(ids, dtype=np.int64), buf_k, buf_v,
+        _spec_args(specs[0], h, t, d), kd.numpy(), ks.numpy(), (ks if kz is None else kz).numpy(),
+        _spec_args(specs[1], h, t, d), vd.numpy(), vs.numpy(), (vs if vz is None else vz).numpy(),
+    )  # fmt: skip
+    return err == 0
+
+
+def write_rows(
+    tails: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    toks: np.ndarray,
+    slots: np.ndarray,
+    offs: np.ndarray,
+) -> None:
+    """``tail[slots[i], :, offs[i]] = new[toks[i]]`` for keys and values in one compiled call (where two torch
+    scatters cost ~45 us a step in the vLLM backend).
+
+    Args:
+        tails: ``[capacity, H, T, D]`` contiguous; new: ``[N, H, D]`` contiguous, the same dtype (one of
+            :data:`ROW_DTYPES`). toks, slots, offs: ``[M]`` int64.
+
+    Raises:
+        ShapeError: an index outside the tails or the rows (nothing written).
+    """
+    if _numba().write_rows(*map(_rows_np, (*tails, *new)), toks, slots, offs):
+        raise ShapeError(
+            f"write_rows: rows outside the tails {tuple(tails[0].shape)} or the step's {tuple(new[0].shape)}"
+        )

@@ -4,26 +4,37 @@
 ~0.4 ms per call whatever the block's size: paid per layer and step in the vLLM backend, where a block seals
 at whichever step fills it. :func:`seal_int` gives the very same bytes (scales and zero-points rounded to
 float16 as :func:`kvpack.quant.encode_scale` rounds them, codes rounded half to even, the same packing), and
-writes them straight into the rows of the destination blocks. Imported only through
-:mod:`kvpack.kernels.cpu_seal`; numba's disk cache tracks this file alone.
+writes them straight into the rows of the destination blocks. In the vLLM backend, :func:`seal_step` gathers a
+step's filled blocks from the tails (float32, bfloat16 or float16) and seals keys and values in one call, and
+:func:`write_rows` writes the other rows to their tails. Imported only through :mod:`kvpack.kernels.cpu_seal`;
+numba's disk cache tracks this file alone.
 
-What keeps it fast (an int4 block of 3 kv heads x 64 tokens x 64 channels: keys 37 -> 20 us, values 64 -> 29 us,
-measured on the 2-core development VM): no allocation per scale group (the float16 rounding reads the bits of a
-whole array of scales through one view), no integer division per element (each row's scales are spread over
-its channels once, group by group), the finiteness check an integer max over the bits, and int4 bytes packed
-two codes at a time.
+What keeps it fast (an int4 block of 3 kv heads x 64 tokens x 64 channels, :func:`seal_int` called alone on
+the 2-core development VM: keys 6.3 -> 5.1 us, values 18.1 -> 7.2 us): numba's numpy error model (its default
+checks every float division for zero, and that branch kept the loops scalar: the quantization loop of one
+block alone took 9.8 us with it, 1.3 without),
+unsigned indices, loops without branches (a scale group's scale and zero-point read once per group, the
+float16 rounding of scales as integer steps and clamps), the float16 -> float32 conversions in hardware where
+there is one (a 256 KiB table read at random misses the caches inside a serving engine), no allocation per
+scale group, the finiteness check an integer max over the bits, and int4 bytes packed two codes at a time.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from kvpack.kernels.cpu_decode_numba import _HW_HALF, _as_f32, _half_hw
+
+U64 = np.uint64
 
 _F16_MAX_BITS = 0x7BFF  # 65504
 _F16_TINY_BITS = 0x0400  # 2**-14, the smallest normal float16
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _f32_to_f16_bits(bits):
     """float32 bit pattern (uint32, as int64) -> float16 bit pattern, rounded to nearest, ties to even."""
     sign = (bits >> 16) & 0x8000
@@ -52,42 +63,61 @@ def _f32_to_f16_bits(bits):
     return sign | half
 
 
-@njit(cache=True)
-def _next_f16(h, up):
-    """``nextafter`` of float16 bits ``h`` towards +inf (``up``) or -inf."""
-    if h & 0x7FFF == 0:  # +-0
-        return 0x0001 if up else 0x8001
-    if (h & 0x7FFF) > 0x7C00:  # NaN
-        return h
-    if h == 0x7C00:
-        return h if up else 0x7BFF
-    if h == 0xFC00:
-        return 0xFBFF if up else h
-    positive = (h & 0x8000) == 0
-    return h + 1 if positive == up else h - 1
+@intrinsic
+def _f16_bits_hw(typingctx, x):
+    """float32 -> float16 bits rounded to nearest, ties to even, by the hardware conversion (``fptrunc``:
+    ``vcvtps2ph`` on x86); what :func:`_f32_to_f16_bits` computes for every non-NaN value. Only used where
+    :data:`~kvpack.kernels.cpu_decode_numba._HW_HALF` (elsewhere LLVM would call a helper numba may not link)."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return builder.zext(h, ir.IntType(64))
+
+    return types.int64(x), codegen
 
 
-@njit(cache=True)
-def _encode_f16(v, bits, f16, round_up):
-    """:func:`kvpack.quant.encode_scale` to float16 of one float32 value ``v`` (``bits``: its bit pattern, uint32;
-    ``f16``: float16 bits -> float32 table): rounded to nearest, then one step in ``round_up``'s direction if
-    that passed ``v``, kept normal when rounding up a positive value, saturated to +-65504."""
-    h = _f32_to_f16_bits(np.int64(bits))
-    if round_up:
-        if f16[h] < v:
-            h = _next_f16(h, True)
-        if v > 0 and f16[h] < f16[_F16_TINY_BITS]:
-            h = _F16_TINY_BITS
-    elif f16[h] > v:
-        h = _next_f16(h, False)
-    if (h & 0x7FFF) > 0x7C00:
-        return h
-    if (h & 0x7FFF) > _F16_MAX_BITS:
-        h = (h & 0x8000) | _F16_MAX_BITS
-    return h
+@njit(cache=True, error_model="numpy", inline="always")
+def _rne_f16(v, bits):
+    """float32 ``v`` (``bits``: its bit pattern) -> float16 bits, rounded to nearest, ties to even."""
+    return _f16_bits_hw(v) if _HW_HALF else _f32_to_f16_bits(np.int64(bits))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy", inline="always")
+def _f16_value(h, f16):
+    """float16 bits -> float32: the hardware conversion where there is one (the 256 KiB table, read at random,
+    missed the caches inside a serving engine), else the table."""
+    return _half_hw(h) if _HW_HALF else f16[h]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _scale_f16(v, bits, f16):
+    """:func:`kvpack.quant.encode_scale` to float16, rounding up, for a scale ``v > 0``: rounded to nearest,
+    then one step up if that fell below ``v``, at least the smallest normal, saturated to 65504; without branches (so the loop over a block's
+    groups vectorizes): the next pattern up is ``h + 1`` for a positive value, and positive patterns are ordered
+    like their values, so the clamps to ``[2**-14, 65504]`` are integer clamps."""
+    h = _rne_f16(v, bits)
+    h += np.int64(_f16_value(h, f16) < v)
+    h = max(h, np.int64(_F16_TINY_BITS))
+    return min(h, np.int64(_F16_MAX_BITS))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _zero_f16(v, bits, f16):
+    """:func:`kvpack.quant.encode_scale` to float16, rounding down, for a finite zero-point ``v``, without
+    branches: rounded to nearest, then one pattern down
+    (``h - 1`` above zero, ``h + 1`` below it, the smallest negative denormal from +-0) if rounding passed ``v``,
+    then saturated to +-65504."""
+    h = _rne_f16(v, bits)
+    mag = h & 0x7FFF
+    down = np.int64(0x8001) if mag == 0 else (h - 1 if h < 0x8000 else h + 1)
+    h = down if _f16_value(h, f16) > v else h
+    mag = h & 0x7FFF
+    return (h & 0x8000) | _F16_MAX_BITS if (mag > _F16_MAX_BITS and mag <= 0x7C00) else h
+
+
+@njit(cache=True, error_model="numpy")
 def _finite(x):
     """Whether every element of the contiguous float32 array ``x`` is finite (exponent bits not all ones; an
     integer max over the bits, which vectorizes)."""
@@ -99,66 +129,59 @@ def _finite(x):
     return top < np.uint32(0x7F800000)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _ranges(x, i, hs, ts, cs, asym, lo, hi):
     """Each scale group's range over block ``i`` of ``x`` ``[K, H, T, D]``: ``lo``/``hi`` ``[Hs * Ts * Cs]``
     (symmetric: ``hi`` the largest magnitude). Rows are read in order; groups one channel wide
-    (per-channel scales) are updated element-wise along the row, wider groups reduced over their span."""
+    (per-channel scales) are updated element-wise along the row, wider groups reduced over their span.
+    Indices are unsigned and the loops branch-free so that they vectorize."""
     _, h, t, d = x.shape
     gh, gt, gc = h // hs, t // ts, d // cs
+    xf = x[i].reshape(h * t * d)
+    ud, ugc = U64(d), U64(gc)
     lo[:] = np.inf
     hi[:] = -np.inf
     for a in range(h):
         for b in range(t):
-            gb = ((a // gh) * ts + b // gt) * cs
+            base = U64((a * t + b) * d)
+            gb = U64(((a // gh) * ts + b // gt) * cs)
             if gc == 1:
-                for c in range(d):
-                    v = x[i, a, b, c]
-                    if asym:
-                        lo[gb + c] = v if v < lo[gb + c] else lo[gb + c]
-                        hi[gb + c] = v if v > hi[gb + c] else hi[gb + c]
-                    else:
-                        m = abs(v)
-                        hi[gb + c] = m if m > hi[gb + c] else hi[gb + c]
+                if asym:
+                    for c in range(ud):
+                        v = xf[base + c]
+                        lo[gb + c] = min(lo[gb + c], v)
+                        hi[gb + c] = max(hi[gb + c], v)
+                else:
+                    for c in range(ud):
+                        hi[gb + c] = max(hi[gb + c], abs(xf[base + c]))
                 continue
-            for cc in range(cs):
+            for cc in range(U64(cs)):
                 lv, hv = lo[gb + cc], hi[gb + cc]
-                for c in range(cc * gc, cc * gc + gc):
-                    v = x[i, a, b, c]
-                    if asym:
-                        lv = v if v < lv else lv
-                        hv = v if v > hv else hv
-                    else:
-                        m = abs(v)
-                        hv = m if m > hv else hv
+                o = base + cc * ugc
+                if asym:
+                    for c in range(ugc):
+                        v = xf[o + c]
+                        lv = min(lv, v)
+                        hv = max(hv, v)
+                else:
+                    for c in range(ugc):
+                        hv = max(hv, abs(xf[o + c]))
                 lo[gb + cc], hi[gb + cc] = lv, hv
 
 
-@njit(cache=True, nogil=True)
-def gather_blocks(tail, new, slots, froms, toks, out):
-    """Assemble the blocks a step fills: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` tail rows, then
-    new rows ``toks[i], toks[i] + 1, ...`` up to the block's end. Returns whether every value is finite.
-
-    Args:
-        tail: ``[capacity, H, T, D]`` float32 tail rows; new: ``[N, H, D]`` float32 the step's rows.
-        slots, froms, toks: ``[K]`` int64. out: ``[K, H, T, D]`` float32, written.
-    """
-    nk, h, t, d = out.shape
-    for i in range(nk):
-        s, f, k0 = slots[i], froms[i], toks[i]
-        for a in range(h):
-            for b in range(f):
-                for c in range(d):
-                    out[i, a, b, c] = tail[s, a, b, c]
-            for b in range(f, t):
-                for c in range(d):
-                    out[i, a, b, c] = new[k0 + b - f, a, c]
-    return _finite(out)
-
-
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_out, zero_out):
-    """Quantize and pack ``K`` blocks into their pages; returns 1 (nothing written) if ``x`` holds a NaN/inf.
+    """Quantize and pack ``K`` blocks into their pages (:func:`_seal_into`); returns 1 (nothing written) if ``x``
+    holds a NaN/inf."""
+    if not _finite(x):
+        return 1
+    _seal_into(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_out, zero_out)
+    return 0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _seal_into(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_out, zero_out):
+    """Quantize and pack ``K`` finite blocks into their pages.
 
     Args:
         x: ``[K, H, T, D]`` float32, contiguous: the blocks' keys or values.
@@ -170,8 +193,6 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
         scale_out, zero_out: ``[NB, 2 * Hs * Ts * Cs]`` uint8 rows (float16 scales and zero-points; zero_out
             unused when symmetric).
     """
-    if not _finite(x):
-        return 1
     nk, h, t, d = x.shape
     gh, gt, gc = h // hs, t // ts, d // cs
     per = 8 // bits
@@ -183,8 +204,6 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
     zf = np.zeros(ng, np.float32)
     lo = np.empty(ng, np.float32)
     hi = np.empty(ng, np.float32)
-    srow = np.empty(d, np.float32)  # the scale and zero-point of each channel of the current row
-    zrow = np.zeros(d, np.float32)
     codes = np.zeros(packed * per, np.int32)
     sv = np.empty(ng, np.float32)  # each group's scale before float16 rounding
     one = np.float32(1.0)
@@ -195,11 +214,11 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
         codes[c] = -off  # padding of a ragged last byte packs as zero
     for i in range(nk):
         _ranges(x, i, hs, ts, cs, asym, lo, hi)
-        lo_bits, s_bits = lo.view(np.uint32), sv.view(np.uint32)  # the values' bit patterns, for _encode_f16
+        lo_bits, s_bits = lo.view(np.uint32), sv.view(np.uint32)  # the values' bit patterns, for _rne_f16
         for g in range(ng):
             if asym:
-                zh = _encode_f16(lo[g], lo_bits[g], f16, False)
-                z = f16[zh]
+                zh = _zero_f16(lo[g], lo_bits[g], f16)
+                z = _f16_value(zh, f16)
                 sv[g] = np.float32(np.float32(hi[g] - z) / fmax)
                 zc[g] = zh
                 zf[g] = z
@@ -208,46 +227,135 @@ def seal_int(x, hs, ts, cs, bits, asym, qmin, qmax, f16, ids, data_out, scale_ou
             if not sv[g] > 0:
                 sv[g] = one
         for g in range(ng):
-            shh = _encode_f16(sv[g], s_bits[g], f16, True)
+            shh = _scale_f16(sv[g], s_bits[g], f16)
             sc[g] = shh
-            sf[g] = f16[shh]
+            sf[g] = _f16_value(shh, f16)
         row = ids[i]
-        last = -1
+        xf = x[i].reshape(h * t * d)
+        drow = data_out[row]
+        ud, ugc = U64(d), U64(gc)
         for a in range(h):
             for b in range(t):
-                gb = ((a // gh) * ts + b // gt) * cs
-                if gb != last:  # the row's scales, one per channel
-                    for cc in range(cs):
-                        for c in range(cc * gc, cc * gc + gc):
-                            srow[c] = sf[gb + cc]
-                            zrow[c] = zf[gb + cc]
-                    last = gb
-                for c in range(d):
-                    v = x[i, a, b, c]
-                    if asym:
-                        v = np.float32(v - zrow[c])
-                    q = np.rint(np.float32(v / srow[c]))
-                    q = min(max(q, fmin), fmax)
-                    codes[c] = np.int32(q)
-                base = (a * t + b) * packed
+                gb = U64(((a // gh) * ts + b // gt) * cs)
+                xb = U64((a * t + b) * d)
+                # unsigned, branch-free loops: they vectorize (zero-points are 0 when symmetric)
+                if gc == 1:  # a scale per channel: the row's scales are sf[gb : gb + d]
+                    for c in range(ud):
+                        q = np.rint(np.float32(np.float32(xf[xb + c] - zf[gb + c]) / sf[gb + c]))
+                        codes[c] = np.int32(min(max(q, fmin), fmax))
+                else:
+                    for cc in range(U64(cs)):
+                        s1, z1, o = sf[gb + cc], zf[gb + cc], cc * ugc
+                        for c in range(ugc):
+                            q = np.rint(np.float32(np.float32(xf[xb + o + c] - z1) / s1))
+                            codes[o + c] = np.int32(min(max(q, fmin), fmax))
+                base = U64((a * t + b) * packed)
                 if bits == 8:
-                    for c in range(d):
-                        data_out[row, base + c] = np.uint8(codes[c] & 0xFF)
+                    for c in range(ud):
+                        drow[base + c] = np.uint8(codes[c] & 0xFF)
                 elif bits == 4:
-                    for j in range(packed):
+                    for j in range(U64(packed)):
                         lo4 = (codes[2 * j] + off) & mask
                         hi4 = (codes[2 * j + 1] + off) & mask
-                        data_out[row, base + j] = np.uint8(lo4 | (hi4 << 4))
+                        drow[base + j] = np.uint8(lo4 | (hi4 << 4))
                 else:
-                    for j in range(packed):
+                    for j in range(U64(packed)):
                         byte = 0
                         for e in range(per):
                             byte |= ((codes[j * per + e] + off) & mask) << (e * bits)
-                        data_out[row, base + j] = np.uint8(byte)
+                        drow[base + j] = np.uint8(byte)
         for g in range(ng):
             scale_out[row, 2 * g] = np.uint8(sc[g] & 0xFF)
             scale_out[row, 2 * g + 1] = np.uint8(sc[g] >> 8)
             if asym:
                 zero_out[row, 2 * g] = np.uint8(zc[g] & 0xFF)
                 zero_out[row, 2 * g + 1] = np.uint8(zc[g] >> 8)
+
+
+# -- a step's writes in the vLLM backend: tails in the model's dtype (float32, or bfloat16 / float16 as uint16 bits)
+
+F32, BF16, F16 = range(3)  # the tails' and the step's rows' element kind
+
+
+def _value(v, kind, f16):  # pragma: no cover - typed by the overload below
+    raise NotImplementedError
+
+
+@overload(_value, jit_options={"error_model": "numpy"})
+def _value_impl(v, kind, f16):
+    """One element as float32: float32 as is; uint16 bits as bfloat16 (``kind`` BF16: the high half of a
+    float32) or float16 (the table)."""
+    if isinstance(v, types.Float):
+        return lambda v, kind, f16: np.float32(v)
+
+    def impl(v, kind, f16):
+        if kind == BF16:
+            return _as_f32(np.uint32(v) << np.uint32(16))
+        return _f16_value(v, f16)
+
+    return impl
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gather_into(tail, new, kind, f16, slots, froms, toks, out):
+    """Assemble the blocks a step fills: block ``i`` is slot ``slots[i]``'s first ``froms[i]`` tail rows, then
+    new rows ``toks[i], toks[i] + 1, ...`` up to the block's end. Returns whether every value is finite.
+
+    Args:
+        tail: ``[capacity, H, T, D]`` tail rows; new: ``[N, H, D]`` the step's rows; float32, or the uint16 bits
+            of ``kind`` (BF16, F16). f16: the float16 table. slots, froms, toks: ``[K]`` int64.
+        out: ``[K, H, T, D]`` float32, written.
+    """
+    nk, h, t, d = out.shape
+    ud = U64(d)
+    for i in range(nk):
+        s, f, k0 = slots[i], froms[i], toks[i]
+        for a in range(h):
+            for b in range(f):
+                for c in range(ud):
+                    out[i, a, b, c] = _value(tail[s, a, b, c], kind, f16)
+            for b in range(f, t):
+                for c in range(ud):
+                    out[i, a, b, c] = _value(new[k0 + b - f, a, c], kind, f16)
+    return _finite(out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def seal_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, buf_k, buf_v,
+              kq, k_data, k_scale, k_zero, vq, v_data, v_scale, v_zero):  # fmt: skip
+    """The blocks a step fills, keys and values, gathered (:func:`gather_into`) and sealed (:func:`seal_int`)
+    in one call. Returns 0, or 1 with nothing written when a key or value is not finite.
+
+    Args:
+        tail_k, tail_v: ``[capacity, H, T, D]`` the tails; new_k, new_v: ``[N, H, D]`` the step's rows; float32,
+            or uint16 bits of ``kind`` (BF16, F16). slots, froms, toks, ids: ``[K]`` int64 (indices checked by
+            the caller). buf_k, buf_v: ``[K, H, T, D]`` float32 scratch.
+        kq, vq: ``(hs, ts, cs, bits, asym, qmin, qmax)`` of the key and value specs (see :func:`seal_int`);
+            k_data ... v_zero: their destination rows.
+    """
+    ok_k = gather_into(tail_k, new_k, kind, f16, slots, froms, toks, buf_k)
+    ok_v = gather_into(tail_v, new_v, kind, f16, slots, froms, toks, buf_v)
+    if not (ok_k and ok_v):
+        return 1
+    _seal_into(buf_k, kq[0], kq[1], kq[2], kq[3], kq[4], kq[5], kq[6], f16, ids, k_data, k_scale, k_zero)
+    _seal_into(buf_v, vq[0], vq[1], vq[2], vq[3], vq[4], vq[5], vq[6], f16, ids, v_data, v_scale, v_zero)
+    return 0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def write_rows(tail_k, tail_v, new_k, new_v, toks, slots, offs):
+    """``tail[slots[i], :, offs[i]] = new[toks[i]]`` for keys and values (any element type, bit for bit).
+    Returns 1, with nothing written, when an index is outside ``tail`` or ``new``; else 0."""
+    cap, h, t, d = tail_k.shape
+    n = new_k.shape[0]
+    for i in range(toks.shape[0]):
+        if not (0 <= toks[i] < n and 0 <= slots[i] < cap and 0 <= offs[i] < t):
+            return 1
+    ud = U64(d)
+    for i in range(toks.shape[0]):
+        k0, s, o = toks[i], slots[i], offs[i]
+        for a in range(h):
+            for c in range(ud):
+                tail_k[s, a, o, c] = new_k[k0, a, c]
+                tail_v[s, a, o, c] = new_v[k0, a, c]
     return 0

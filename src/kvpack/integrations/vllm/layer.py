@@ -4,10 +4,11 @@
 Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 
 1. seals the blocks this step fills: their tail rows and new tokens quantized into the block's page
-   (block-local scales, computed once; the page never changes again), integer formats of a float32 model on
-   the CPU gathered and sealed in compiled calls (:mod:`kvpack.kernels.cpu_seal`), others with torch and
-   :func:`kvpack.quant.quantize`;
-2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
+   (block-local scales, computed once; the page never changes again), integer formats on the CPU gathered and
+   sealed, keys and values, in one compiled call (:func:`kvpack.kernels.cpu_seal.seal_step`), others with torch
+   and :func:`kvpack.quant.quantize`;
+2. writes the other new tokens to their request's tail slot (on the CPU in one compiled call), and positions
+   ``< S`` to the first page's sink rows;
 3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
    view (:func:`kvpack.kernels.run_backend`), which reads the packed pages
    in place; rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
@@ -106,6 +107,8 @@ class PagedLayer:
         self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
         self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
         self.rotation = key_rotation(head_dim).to(device) if fmt.key.rotate else None
+        # tail writes and integer seals in compiled calls (kvpack.kernels.cpu_seal), on the CPU with numba
+        self._compiled_writes = self.device.type == "cpu" and dtype in cpu_seal.ROW_DTYPES and cpu_seal.available()
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
@@ -126,17 +129,13 @@ class PagedLayer:
 
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         specs = (self.format.key, self.format.value)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and all(map(cpu_seal.supports, specs)):
-            xs = []  # both gathered and checked before either is written
-            for tail, new in ((self.tail_k, k), (self.tail_v, v)):
-                x, finite = cpu_seal.gather_blocks(tail, new, plan.seal_slot, plan.seal_from, plan.seal_tok)
-                if not finite:
-                    _raise_non_finite(x)  # NonFiniteError naming block, head and position; nothing written
-                xs.append(x)
-            for prefix, spec, x in zip(("k", "v"), specs, xs):
-                rows = [pools.get(f"{prefix}_{part}_bytes") for part in ("data", "scale", "zero")]
-                cpu_seal.seal_blocks(x, spec, plan.seal_block, *rows)
-            return
+        if self._compiled_writes and all(map(cpu_seal.supports, specs)):
+            rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
+            tails = (self.tail_k, self.tail_v)
+            if cpu_seal.seal_step(tails, (k, v), plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block,
+                                  specs, rows):  # fmt: skip
+                return
+            # a key or value is not finite, nothing was written: the path below names the place and raises
         b = self.format.block_size
         blocks_k, blocks_v = [], []
         for slot, s, tok in zip(plan.seal_slot.tolist(), plan.seal_from.tolist(), plan.seal_tok.tolist()):
@@ -197,7 +196,9 @@ class PagedLayer:
             src, dst = (torch.from_numpy(x).to(k.device) for x in (plan.move_src, plan.move_dst))
             self.tail_k[dst] = self.tail_k[src]
             self.tail_v[dst] = self.tail_v[src]
-        if plan.write_tok.size:
+        if plan.write_tok.size and self._compiled_writes:  # one compiled call for keys and values
+            cpu_seal.write_rows((self.tail_k, self.tail_v), (k, v), plan.write_tok, plan.write_slot, plan.write_off)
+        elif plan.write_tok.size:
             tok, slot, off = (
                 torch.from_numpy(x).to(k.device) for x in (plan.write_tok, plan.write_slot, plan.write_off)
             )
