@@ -393,8 +393,9 @@ def test_inputs_outside_the_static_range_warn_once_they_pass_the_threshold():
 @pytest.mark.parametrize("preset", ["int8", "int4", "k4v2"])
 def test_compiled_writes_store_the_same_bytes_as_the_torch_path(preset, dtype):
     """Tail rows and seals in compiled calls (``kvpack.kernels.cpu_seal.write_rows`` / ``seal_step``) against the
-    torch scatter and gather with ``quantize``: the same pages and tails, bit for bit, in every model dtype, over
-    steps that open, fill from a tail, seal straight from a prefill chunk and move tails between slots."""
+    torch scatter and gather with ``quantize``: the same pages and tails, bit for bit, in every model dtype, from
+    strided rows, over steps that open, fill from a tail, seal straight from a prefill chunk and move tails between
+    slots."""
     fmt = parse_format(preset)
     b = fmt.block_size
     layers, caches, bufs, tables = [], [], [], []
@@ -409,15 +410,20 @@ def test_compiled_writes_store_the_same_bytes_as_the_torch_path(preset, dtype):
     steps = [
         [(0, b + 5, [3, 4])],  # a prefill that seals one block and leaves 5 rows in a tail
         [(b + 5, 1, [3, 4]), (0, 3, [6])],  # a decode row and a new request
-        [(b + 6, b - 6, [3, 4]), (3, 1, [6])],  # the first request's tail fills and seals
-        [(3 + 1, 2 * b, [6, 7, 8])],  # the first request is not scheduled: its tail stays, the other's moves
+        [(3, 1, [6])],  # the first request is not scheduled: the tails swap slots
+        [(b + 6, b - 6, [3, 4]), (4, 2 * b, [6, 7, 8])],  # seals from both tails and from the chunk alone
     ]
+    moved = 0
     for rows in steps:
         n = sum(t for _, t, _ in rows)
-        k = torch.randn(n, H, D, generator=gen).to(dtype) * 3
-        v = torch.randn(n, H, D, generator=gen).to(dtype)
+        qkv = torch.randn(n, 3 * H, D, generator=gen).to(dtype)  # keys and values as views of one projection
+        k, v = qkv[:, H : 2 * H], qkv[:, 2 * H :]  # output, as vLLM hands them over: strided rows
+        k.mul_(3)
         for layer, kv_cache, table in zip(layers, caches, tables):
-            layer.write(kv_cache, _plan(table, rows), k, v)
+            plan = _plan(table, rows)
+            layer.write(kv_cache, plan, k, v)
+        moved += plan.move_src.size
+    assert moved
     assert torch.equal(bufs[0], bufs[1])
     assert torch.equal(layers[0].tail_k.view(torch.uint8), layers[1].tail_k.view(torch.uint8))
     assert torch.equal(layers[0].tail_v.view(torch.uint8), layers[1].tail_v.view(torch.uint8))
