@@ -7,7 +7,8 @@ float16 as :func:`kvpack.quant.encode_scale` rounds them, codes rounded half to 
 writes them straight into the rows of the destination blocks. In the vLLM backend, :func:`seal_step` gathers a
 step's filled blocks from the tails (float32, bfloat16 or float16) and seals keys and values in one call, and
 :func:`write_rows` writes the other rows to their tails. Imported only through :mod:`kvpack.kernels.cpu_seal`;
-numba's disk cache tracks this file alone.
+numba's disk cache tracks this file alone, not the float conversions it takes from
+:mod:`kvpack.kernels.cpu_decode_numba` (clear the cache after changing those).
 
 What keeps it fast (an int4 block of 3 kv heads x 64 tokens x 64 channels, :func:`seal_int` called alone on
 the 2-core development VM: keys 6.3 -> 5.1 us, values 18.1 -> 7.2 us): numba's numpy error model (its default
