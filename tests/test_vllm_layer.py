@@ -390,7 +390,7 @@ def test_inputs_outside_the_static_range_warn_once_they_pass_the_threshold():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("preset", ["int8", "int4", "k4v2"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "k4v2", "k8v4", "int4,sink=0"])  # k8v4: symmetric keys
 def test_compiled_writes_store_the_same_bytes_as_the_torch_path(preset, dtype):
     """Tail rows and seals in compiled calls (``kvpack.kernels.cpu_seal.write_rows`` / ``seal_step``) against the
     torch scatter and gather with ``quantize``: the same pages and tails, bit for bit, in every model dtype, from
