@@ -13,11 +13,11 @@ numba's disk cache tracks this file alone, not the float conversions it takes fr
 What keeps it fast (an int4 block of 3 kv heads x 64 tokens x 64 channels, :func:`seal_int` called alone on
 the 2-core development VM: keys 6.3 -> 5.1 us, values 18.1 -> 7.2 us): numba's numpy error model (its default
 checks every float division for zero, and that branch kept the loops scalar: the quantization loop of one
-block alone took 9.8 us with it, 1.3 without),
-unsigned indices, loops without branches (a scale group's scale and zero-point read once per group, the
-float16 rounding of scales as integer steps and clamps), the float16 -> float32 conversions in hardware where
-there is one (a 256 KiB table read at random misses the caches inside a serving engine), no allocation per
-scale group, the finiteness check an integer max over the bits, and int4 bytes packed two codes at a time.
+block alone took 9.8 us with it, 1.3 without), unsigned indices, loops without branches (a scale group's scale
+and zero-point read once per group, the float16 rounding of scales as integer steps and clamps), the float16
+-> float32 conversions in hardware where there is one (a 256 KiB table read at random misses the caches inside
+a serving engine), no allocation per scale group, the finiteness check an integer max over the bits, and int4
+bytes packed two codes at a time.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ def _f16_value(h, f16):
 @njit(cache=True, error_model="numpy", inline="always")
 def _scale_f16(v, bits, f16):
     """:func:`kvpack.quant.encode_scale` to float16, rounding up, for a scale ``v > 0``: rounded to nearest,
-    then one step up if that fell below ``v``, at least the smallest normal, saturated to 65504; without branches (so the loop over a block's
-    groups vectorizes): the next pattern up is ``h + 1`` for a positive value, and positive patterns are ordered
-    like their values, so the clamps to ``[2**-14, 65504]`` are integer clamps."""
+    then one step up if that fell below ``v``, at least the smallest normal, saturated to 65504. Without
+    branches (so the loop over a block's groups vectorizes): the next pattern up is ``h + 1`` for a positive
+    value, and positive patterns are ordered like their values, so the clamps to ``[2**-14, 65504]`` are
+    integer clamps."""
     h = _rne_f16(v, bits)
     h += np.int64(_f16_value(h, f16) < v)
     h = max(h, np.int64(_F16_TINY_BITS))
@@ -107,9 +108,8 @@ def _scale_f16(v, bits, f16):
 @njit(cache=True, error_model="numpy", inline="always")
 def _zero_f16(v, bits, f16):
     """:func:`kvpack.quant.encode_scale` to float16, rounding down, for a finite zero-point ``v``, without
-    branches: rounded to nearest, then one pattern down
-    (``h - 1`` above zero, ``h + 1`` below it, the smallest negative denormal from +-0) if rounding passed ``v``,
-    then saturated to +-65504."""
+    branches: rounded to nearest, then one pattern down (``h - 1`` above zero, ``h + 1`` below it, the smallest
+    negative denormal from +-0) if rounding passed ``v``, then saturated to +-65504."""
     h = _rne_f16(v, bits)
     mag = h & 0x7FFF
     down = np.int64(0x8001) if mag == 0 else (h - 1 if h < 0x8000 else h + 1)
@@ -285,7 +285,7 @@ def _value(v, kind, f16):  # pragma: no cover - typed by the overload below
 @overload(_value, jit_options={"error_model": "numpy"})
 def _value_impl(v, kind, f16):
     """One element as float32: float32 as is; uint16 bits as bfloat16 (``kind`` BF16: the high half of a
-    float32) or float16 (the table)."""
+    float32) or float16 (:func:`_f16_value`)."""
     if isinstance(v, types.Float):
         return lambda v, kind, f16: np.float32(v)
 
