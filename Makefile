@@ -9,7 +9,7 @@ LPY := $(LATEST)/bin/python
 LSTAMP := $(LATEST)/.kvpack-installed
 LATEST_TESTS := tests/test_kernel_cpu.py tests/test_kernel_cpu_core.py tests/test_kernel_cpu_sink.py \
 	tests/test_kernel_cpu_strided.py tests/test_kernel_cpu_ranges.py tests/test_kernel_cpu_chunk.py tests/test_hf_integration.py \
-	tests/test_hf_embedded.py tests/test_outliers.py
+	tests/test_hf_embedded.py tests/test_outliers.py tests/test_cpu_seal.py
 
 # A second model family for the slow tests (Gemma 3 270M: one kv head, head_dim 256, QK-norm, sliding window),
 # a GGUF split across four wheels (kvpack.models.registry joins and checks them).
