@@ -14,7 +14,17 @@ from kvpack.cli.main import main
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import PRESETS, parse_format
 from kvpack.modelspecs import KNOWN_MODELS, ModelShape, estimate_params, load_model_shape, shape_from_config
-from kvpack.sizing import GIB, estimate, max_batch, max_context, parse_count, parse_formats, shared_prefix_bytes
+from kvpack.sizing import (
+    GIB,
+    estimate,
+    max_batch,
+    max_context,
+    parse_count,
+    parse_formats,
+    shared_prefix_bytes,
+    vllm_capacity_tokens,
+    vllm_layers_per_block,
+)
 
 SHAPE = ["--layers", "80", "--kv-heads", "8", "--head-dim", "128"]
 SMOLLM2_135M_CONFIG = {  # the published config.json of SmolLM2-135M (the fields that matter here)
@@ -320,6 +330,44 @@ def test_config_variants() -> None:
     assert (mha.kv_heads, mha.head_dim, mha.params) == (4, 64, None)  # no vocab: no parameter estimate
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         shape_from_config({"num_attention_heads": 4, "hidden_size": 256}, "x")
+
+
+GEMMA3_270M_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+def test_sliding_windows_from_the_config() -> None:
+    base = {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256}
+    gemma = shape_from_config({**base, "sliding_window": 512, "layer_types": GEMMA3_270M_TYPES}, "gemma")
+    assert gemma.windows == tuple(512 if t == "sliding_attention" else None for t in GEMMA3_270M_TYPES)
+    assert shape_from_config({**base, "sliding_window": 4096}).windows == (4096,) * 18  # every layer (Mistral)
+    assert shape_from_config({**base, "sliding_window": 4096, "use_sliding_window": False}).windows is None  # Qwen2
+    assert shape_from_config({**base, "sliding_window": None}).windows is None
+    full = ["full_attention"] * 18
+    assert shape_from_config({**base, "sliding_window": 512, "layer_types": full}).windows is None
+    with pytest.raises(ConfigError, match="layer_types must list one type per layer"):
+        shape_from_config({**base, "sliding_window": 512, "layer_types": GEMMA3_270M_TYPES[:6]})
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):
+        shape_from_config({**base, "sliding_window": "512"})
+    with pytest.raises(ConfigError, match="one per layer"):
+        ModelShape("m", 2, 1, 64, windows=(None,))
+
+
+def test_vllm_groups_a_sliding_window_model_by_attention_type() -> None:
+    """vLLM's rule (``_get_kv_cache_groups_uniform_page_size``): groups as large as the rarest attention type, or
+    as the commonest when no type has 1.5x the rarest's layers."""
+    gemma = tuple(512 if t == "sliding_attention" else None for t in GEMMA3_270M_TYPES)
+    assert vllm_layers_per_block(18, gemma) == 3  # 15 sliding + 3 full: six groups of three
+    assert vllm_layers_per_block(25, (128,) * 12 + (None,) * 13) == 13  # 12 + 13: two groups of 13 (gpt-oss-20b)
+    assert vllm_layers_per_block(18, (512,) * 18) == 18  # one window for every layer: one group
+    assert vllm_layers_per_block(18, None) == 18
+    fmt = parse_format("int8")
+    space = 96 * 2**20
+    one_group = vllm_capacity_tokens(fmt, 18, 1, 256, 4, space, 4)
+    grouped = vllm_capacity_tokens(fmt, 18, 1, 256, 4, space, 4, gemma)
+    assert grouped == 53_888  # what vLLM 0.32 reported for Gemma 3 270M in this space (tests/test_vllm_engine.py)
+    assert 6 * (one_group // 64) <= grouped // 64 < 6 * (one_group // 64 + 1)  # an id costs 3 layers' pages, not 18
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        vllm_capacity_tokens(parse_formats(["int4/int8[0]"])[0], 18, 1, 256, 4, space, 4, gemma)
 
 
 def test_config_errors(tmp_path: Path) -> None:

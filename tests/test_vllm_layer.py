@@ -24,6 +24,7 @@ from kvpack.calibration.artifact import CalibratedScales
 from kvpack.calibration.static import StaticScales
 from kvpack.errors import CalibrationError, NonFiniteError, PoolExhaustedError, ShapeError
 from kvpack.integrations.vllm.calibration import LayerCalibration, layer_calibration, worker_heads
+from kvpack.integrations.vllm.hooks import request_last_blocks
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
@@ -209,7 +210,15 @@ def _static_scales(fmt) -> CalibratedScales:
 class _Sim:
     """Requests scheduled in steps over one :class:`PagedLayer`, mirrored into kvpack's own cache."""
 
-    def __init__(self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int):
+    def __init__(
+        self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int, window: int | None = None,
+        freed: str = "stale",
+    ):  # fmt: skip
+        """``window``: the layer's sliding window. As vLLM's sliding-window manager does, a block every later query
+        leaves out goes back to the free list (at its end: the next one handed out) once no request holds it;
+        ``freed`` says what the request's block table names there afterwards: the old id (``stale``, as the model
+        runner's list keeps it) or the null block (``null``)."""
+        self.window, self.freed_mode = window, freed
         self.fmt = parse_format(preset)
         self.b = self.fmt.block_size
         cal = _static_scales(self.fmt) if self.fmt.is_static else None
@@ -218,7 +227,9 @@ class _Sim:
             if cal is None
             else LayerCalibration(*(None if s is None else s.layer(0) for s in (cal.key, cal.value)), None)
         )
-        self.layer = PagedLayer(self.fmt, H, D, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal)
+        self.layer = PagedLayer(
+            self.fmt, H, D, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal, window=window
+        )
         self.kv_cache, self.buf = _pages(self.layer.layout, num_blocks)
         self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
@@ -230,20 +241,44 @@ class _Sim:
         self.reqs: dict[int, dict] = {}
 
     def add(self, rid: int, share_from: int | None = None, shared_blocks: int = 0) -> None:
-        blocks, k, v, n = [], None, None, 0
+        blocks, k, v, n, gone = [], None, None, 0, set()
         sid = self.oracle.add_sequence()
         if share_from is not None:  # a prefix-cache hit: the first full blocks are the other request's pages
             src = self.reqs[share_from]
             blocks = list(src["blocks"][:shared_blocks])
+            gone = {j for j in src["gone"] if j < shared_blocks}  # out of the window: not this request's either
             n = shared_blocks * self.b
             k, v = src["k"][:n].clone(), src["v"][:n].clone()
             self.oracle.append(0, [sid], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        self.reqs[rid] = {"blocks": blocks, "n": n, "k": k, "v": v, "sid": sid}
+        self.reqs[rid] = {"blocks": blocks, "n": n, "k": k, "v": v, "sid": sid, "gone": gone}
 
     def end(self, rid: int) -> None:
         req = self.reqs.pop(rid)
-        self.table.release_blocks(req["blocks"])  # the runner hook, before the next step is planned
+        self.table.release_blocks(request_last_blocks((req["blocks"],)))  # the runner hook, before the next step
         self.oracle.free(req["sid"])
+        held = self._held()
+        self.free += [b for j, b in enumerate(req["blocks"]) if j not in req["gone"] and b and b not in held]
+
+    def _held(self) -> set[int]:
+        return {b for r in self.reqs.values() for j, b in enumerate(r["blocks"]) if j not in r["gone"]}
+
+    def _slide(self) -> None:
+        """Free the blocks every later query of a request leaves out of the window (vLLM's sliding-window
+        manager), once no request holds them."""
+        if self.window is None:
+            return
+        for req in self.reqs.values():
+            for j in range(len(req["blocks"])):
+                if (j + 1) * self.b <= req["n"] + 1 - self.window and j not in req["gone"]:
+                    req["gone"].add(j)
+        held = self._held()
+        for req in self.reqs.values():
+            for j in sorted(req["gone"]):
+                bid = req["blocks"][j]
+                if bid and bid not in held and bid not in self.free:
+                    self.free.append(bid)  # handed out next
+                if self.freed_mode == "null":
+                    req["blocks"][j] = 0
 
     def step(self, work: dict[int, int]) -> None:
         """One step: request rid gets ``work[rid]`` new tokens; checks every query's attention."""
@@ -278,7 +313,9 @@ class _Sim:
             req["v"] = v if req["v"] is None else torch.cat([req["v"], v])
             req["n"] += work[rid]
             self.oracle.append(0, [req["sid"]], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            want = paged_attention_reference(query[qs[i] : qs[i + 1]][None], self.oracle.view(0, [req["sid"]]))[0]
+            want = paged_attention_reference(
+                query[qs[i] : qs[i + 1]][None], self.oracle.view(0, [req["sid"]]), window=self.window
+            )[0]
             atol, rtol = 1e-5, 1e-5  # the same codes, read by the reference
             if self.kernel == "triton":  # the Triton kernels (interpreter): float32 dots, float32 accumulation
                 atol, rtol = TRITON_TOL
@@ -288,6 +325,7 @@ class _Sim:
                 atol, rtol = CPU_CHUNK_TOL
             assert_close(out[qs[i] : qs[i + 1]], want, atol, rtol, f"request {rid} at {req['n']} tokens")
         assert (self.buf[:, 1] == POISON).all(), "a write strayed into another layer's pages"
+        self._slide()
 
 
 @pytest.mark.parametrize(
@@ -441,3 +479,46 @@ def test_compiled_tail_writes_refuse_rows_outside_the_tails():
         with pytest.raises(ShapeError, match="outside the tails"):
             cpu_seal.write_rows(tails, new, i64(toks), i64(slots), i64(offs))
         assert all(torch.equal(a, t) for a, t in zip(before, tails))
+
+
+@pytest.mark.parametrize(
+    ("preset", "kernel", "window", "freed"),
+    [("kv=fp32", "reference", 100, "stale"), ("int8", "auto", 100, "stale"), ("int8", "auto", 130, "null"),
+     ("int4,block=16", "auto", 40, "stale"), ("fp8", "reference", 100, "null"), ("int4-o4", "auto", 100, "stale"),
+     ("int4,block=16", "triton", 40, "stale")],
+)  # fmt: skip
+def test_a_sliding_window_layer_matches_kvpacks_own_cache(preset, kernel, window, freed):
+    """A layer with a sliding window, its requests' blocks freed as they leave it and handed to other requests at
+    once: the window's queries read only their own blocks (a freed id now holds another request's codes, or is
+    the null block), and a request that ends releases only its own tail, not the one of the request its old
+    block id went to."""
+    with contextlib.ExitStack() as stack:
+        if kernel == "triton":
+            pytest.importorskip("triton")
+            from _triton_interpreter import fixed_interpreter
+
+            stack.enter_context(fixed_interpreter())
+        sim = _Sim(preset, num_blocks=48, capacity=4, kernel=kernel, seed=11, window=window, freed=freed)
+        b, w = sim.b, window
+        sim.add(0)
+        sim.add(1)
+        sim.step({0: w + 2 * b + 3, 1: 5})  # a prompt longer than the window: its first blocks leave it
+        freed_ids = [sim.reqs[0]["blocks"][j] if freed == "stale" else None for j in sorted(sim.reqs[0]["gone"])]
+        assert len(sim.reqs[0]["gone"]) >= 2
+        sim.add(2)
+        sim.step({2: b - 2, 0: 1, 1: 1})  # request 2's first block is one request 0 let go
+        for _ in range(3):
+            sim.step({0: 1, 1: 1, 2: 1})  # request 2 seals it and opens another of request 0's old blocks
+        if freed == "stale":
+            assert sim.reqs[2]["blocks"][-1] in freed_ids  # request 0's list still names request 2's open block
+        tails = sim.table.num_allocated
+        sim.end(0)  # request 0 ends: its own tail goes, request 2's stays
+        assert sim.table.num_allocated == tails - 1
+        sim.step({2: 1, 1: b})  # request 1's first block fills
+        sim.add(3, share_from=1, shared_blocks=1)  # a prefix-cache hit on it, still inside the window
+        sim.step({1: b + w, 2: 2, 3: 3})  # chunks across the window
+        for _ in range(2):
+            sim.step({1: 1, 2: 1, 3: 1})
+        for rid in list(sim.reqs):
+            sim.end(rid)
+        assert sim.table.num_allocated == 0

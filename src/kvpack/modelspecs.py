@@ -13,7 +13,7 @@ from typing import Any
 
 from kvpack.errors import ConfigError
 
-__all__ = ["KNOWN_MODELS", "ModelShape", "estimate_params", "load_model_shape", "shape_from_config"]
+__all__ = ["KNOWN_MODELS", "ModelShape", "config_windows", "estimate_params", "load_model_shape", "shape_from_config"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class ModelShape:
     """The cache-relevant shape of a decoder-only model.
 
     ``params`` is the parameter count (``None`` when unknown); ``params_estimated`` says it was computed
-    from the config's matrix sizes rather than taken from a published figure.
+    from the config's matrix sizes rather than taken from a published figure. ``windows``: each layer's sliding
+    window in tokens (``None`` entries: full attention), or ``None`` when every layer attends its whole history.
     """
 
     name: str
@@ -31,12 +32,24 @@ class ModelShape:
     params: int | None = None
     attention_heads: int | None = None
     params_estimated: bool = False
+    windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("layers", "kv_heads", "head_dim"):
             v = getattr(self, field_name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"model {self.name!r}: {field_name} must be a positive integer, got {v!r}")
+        if self.windows is not None:
+            if len(self.windows) != self.layers:
+                raise ConfigError(
+                    f"model {self.name!r}: {len(self.windows)} sliding windows for {self.layers} layers; "
+                    "give one per layer"
+                )
+            bad = [
+                w for w in self.windows if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0)
+            ]
+            if bad:
+                raise ConfigError(f"model {self.name!r}: a sliding window must be a positive integer, got {bad[0]!r}")
         if self.params is not None and self.params <= 0:
             raise ConfigError(f"model {self.name!r}: parameter count must be positive, got {self.params!r}")
 
@@ -177,7 +190,32 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
         params=params,
         attention_heads=heads,
         params_estimated=params is not None,
+        windows=config_windows(cfg, layers, name),
     )
+
+
+def config_windows(cfg: dict[str, Any], layers: int, name: str = "config") -> tuple[int | None, ...] | None:
+    """Each layer's sliding window from a config dict: ``layer_types`` (``"sliding_attention"`` layers take
+    ``sliding_window``, the others attend everything), else ``sliding_window`` for every layer unless
+    ``use_sliding_window`` is false; ``None`` when no layer has a window.
+
+    Raises:
+        ConfigError: ``layer_types`` of the wrong length, or a ``sliding_window`` that is not a positive integer.
+    """
+    window = cfg.get("sliding_window")
+    if window is None or cfg.get("use_sliding_window") is False:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(
+            f"{name}: sliding_window must be a positive integer, got {window!r}; fix the model's config.json"
+        )
+    types = cfg.get("layer_types")
+    if types is None:
+        return (window,) * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(f"{name}: layer_types must list one type per layer ({layers}); fix the model's config.json")
+    ws = tuple(window if t == "sliding_attention" else None for t in types)
+    return ws if any(w is not None for w in ws) else None
 
 
 def load_model_shape(name_or_path: str) -> ModelShape:

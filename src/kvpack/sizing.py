@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "parse_formats",
     "shared_prefix_bytes",
     "vllm_capacity_tokens",
+    "vllm_layers_per_block",
     "vllm_page",
     "vllm_tail_bytes",
 ]
@@ -307,8 +309,9 @@ def estimate(
             continue
         if isinstance(fmt, LayerPlan):
             row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
-            if vllm is not None:
-                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1])
+            if vllm is not None and vllm_layers_per_block(n_layers, model.windows) == n_layers:
+                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
+            # (none with sliding-window layers: the vLLM backend refuses a plan there, see docs/vllm.md)
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -327,14 +330,16 @@ def estimate(
         if shared_prefix is not None:
             row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
         if vllm is not None:
-            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1])
+            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
         if space <= 0 or seqs <= 0 or act not in (2, 4):
             raise ConfigError(f"the vLLM space, max_num_seqs and activation bytes must be positive, got {vllm}")
         page = 2 * h * d * act * 64  # vLLM's own cache, 64-token pages of K and V in the model's dtype
-        result.vllm = VllmSizing(space, seqs, act, space // (page * n_layers) * 64)
+        result.vllm = VllmSizing(
+            space, seqs, act, space // (page * vllm_layers_per_block(n_layers, model.windows)) * 64
+        )
     if not result.rows:
         raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))
     result.advice = advice(result)
@@ -493,6 +498,22 @@ def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, ac
     return seqs * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
 
 
+def vllm_layers_per_block(layers: int, windows: Sequence[int | None] | None = None) -> int:
+    """How many layers' pages one vLLM block id costs.
+
+    A model whose layers all attend alike has one KV cache group: a block id names a page in every layer. A model
+    with sliding-window layers beside others (``windows``: each layer's window, ``None`` for full attention) is
+    split by vLLM into groups of equal size, one attention type each, with their own block tables over one pool
+    of block ids, so an id costs a page in one group's layers. The group size is vLLM's rule: the fewest layers
+    of any attention type, or the most when no type has 1.5x the fewest's.
+    """
+    if not windows or len(set(windows)) == 1:
+        return layers
+    counts = [sum(1 for w in windows if w == kind) for kind in dict.fromkeys(windows)]
+    fewest, most = min(counts), max(counts)
+    return most if most < fewest * 1.5 else fewest
+
+
 def vllm_capacity_tokens(
     fmt: KVFormat | LayerPlan,
     layers: int,
@@ -501,12 +522,23 @@ def vllm_capacity_tokens(
     act_bytes: int,
     space_bytes: int,
     seqs: int,
+    windows: Sequence[int | None] | None = None,
 ) -> int:
-    """Tokens vLLM holds with the kvpack backend in ``space_bytes`` of KV space: whole pages of every layer,
-    after the tails of ``seqs`` requests. A per-layer plan's layers each take their own format's page (one block
-    id names a page in every layer, so a block costs the sum of the layers' pages); its formats share the base's
-    block size, so the tails cost what the base format's do."""
+    """Tokens vLLM holds with the kvpack backend in ``space_bytes`` of KV space: its block ids times the block
+    size, after the tails of ``seqs`` requests. A per-layer plan's layers each take their own format's page (one
+    block id names a page in every layer, so a block costs the sum of the layers' pages); its formats share the
+    base's block size, so the tails cost what the base format's do. With sliding-window layers (``windows``) a
+    block id costs the pages of one group's layers (:func:`vllm_layers_per_block`)."""
     fmts = fmt.formats(layers) if isinstance(fmt, LayerPlan) else [fmt] * layers
     left = space_bytes - vllm_tail_bytes(fmts[0], layers, kv_heads, head_dim, act_bytes, seqs)
-    block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)
+    per_block = vllm_layers_per_block(layers, windows)
+    if per_block == layers:
+        block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)
+    elif isinstance(fmt, LayerPlan) and fmt.overrides:
+        raise ConfigError(
+            "a per-layer plan on a model with sliding-window layers: vLLM's groups of such a model need pages of one "
+            "size, and the kvpack backend refuses it; give one format"
+        )
+    else:
+        block = per_block * vllm_page(fmts[0], kv_heads, head_dim, act_bytes).page_bytes
     return max(left, 0) // block * fmts[0].block_size

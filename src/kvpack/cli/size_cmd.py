@@ -7,7 +7,7 @@ import json
 import re
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.sizing import MODEL_DTYPE_BYTES
+from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block
 
 EPILOG = """\
 sizes accept k = 1024 and m = 1024*1024: --context 8k, 128k, 1m.
@@ -184,6 +184,14 @@ def render(p) -> str:
             f"pages of the format's blocks with the sink rows in every page, after full-precision tails for "
             f"max_num_seqs={v.seqs} requests; vLLM's own cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
         )
+        per_block = vllm_layers_per_block(p.model.layers, p.model.windows)
+        if per_block != p.model.layers:
+            out.append(
+                f"sliding-window layers: vLLM splits the {p.model.layers} layers into groups of {per_block} by "
+                f"attention type, each with its own block table over one pool of block ids; the tokens are block ids "
+                f"x block size, a block id costing pages in {per_block} layers (a request holds blocks in every "
+                "group, the sliding ones only for its window)."
+            )
     for s in p.skipped:
         out.append(f"skipped {s}")
     out += [f"advice: {a}" for a in p.advice]

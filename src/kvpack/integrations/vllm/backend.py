@@ -85,6 +85,10 @@ class KVPackAttentionBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # the kernels take the window; blocks out of it are vLLM's null block, which they never read
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False  # connectors move pages whose layout kvpack owns
 
@@ -121,7 +125,9 @@ class KVPackAttentionBackend(AttentionBackend):
         """One head slot of ``block_size`` cells of ``C`` bytes: the page holds one packed kvpack block (of the base
         format; with a per-layer plan, :func:`~kvpack.integrations.vllm.hooks.layer_specs` resizes each layer's)."""
         layout = PageLayout.build(current_settings().format, spec.num_kv_heads, spec.head_size, spec.dtype)
-        if spec.block_size != layout.block_size:
+        # block_size 1: vLLM asks a token's bytes (a sliding-window layer picks its block size from them); a
+        # page is block_size cells of C bytes, so that is one cell
+        if spec.block_size not in (1, layout.block_size):
             raise ConfigError(
                 f"kvpack: vLLM's block_size is {spec.block_size} but the format seals blocks of {layout.block_size}; "
                 f"pass block_size={layout.block_size}"
@@ -197,7 +203,6 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
     ) -> None:
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
-            "a sliding window": sliding_window is not None,
             "logit soft-capping": bool(logits_soft_cap),
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
@@ -212,6 +217,7 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
+        self.sliding_window = sliding_window  # its layer's group names the null block for blocks out of the window
         self._layer: PagedLayer | None = None
 
     def _ensure_layer(self, capacity: int, query: torch.Tensor, name: str | None) -> None:
@@ -224,7 +230,9 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
             cal = layer_calibration(
                 self.settings.calibration, fmt, layer_index(name), h, d, query.device, heads=_worker_heads(h)
             )
-            self._layer = PagedLayer(fmt, h, d, capacity, query.dtype, query.device, calibration=cal)
+            self._layer = PagedLayer(
+                fmt, h, d, capacity, query.dtype, query.device, calibration=cal, window=self.sliding_window
+            )
 
     def forward(
         self,

@@ -16,14 +16,13 @@ is the plan's real one. Both hooks are installed by the general plugin, in every
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from kvpack.integrations.vllm.tails import TailTable
 
-__all__ = ["install", "layer_specs", "live_tables", "register_table", "worker_tails"]
+__all__ = ["install", "layer_specs", "live_tables", "register_table", "request_last_blocks", "worker_tails"]
 
 _tables: weakref.WeakSet[TailTable] = weakref.WeakSet()
 
@@ -54,9 +53,21 @@ def _release_finished(runner, scheduler_output) -> None:
         state = runner.requests.get(req_id)
         if state is None:
             continue
-        blocks = list(itertools.chain.from_iterable(state.block_ids))
+        last = request_last_blocks(state.block_ids)
         for table in tables:
-            table.release_blocks(blocks)
+            table.release_blocks(last)
+
+
+def request_last_blocks(block_ids: tuple[list[int], ...]) -> list[int]:
+    """The last block id of each KV cache group's list ``block_ids`` (the runner's, for a request that ended): the
+    only block that can hold the request's tail.
+
+    Every earlier block is full, so sealed, and need not be this request's any more: a sliding-window group's blocks
+    that left the window go back to vLLM's free pool while the runner's list still names them, and may by now be
+    another request's open block, whose tail must stay. The last block holds the request's latest token, inside
+    any window, so vLLM has not handed it on.
+    """
+    return [int(ids[-1]) for ids in block_ids if len(ids)]
 
 
 def layer_specs(specs: dict[str, Any], settings: Any, is_kvpack: Callable[[str], bool]) -> dict[str, Any]:

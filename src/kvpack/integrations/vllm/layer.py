@@ -26,6 +26,7 @@ import torch
 
 from kvpack.cache.write import seal_outliers
 from kvpack.calibration.static import ClipMonitor, seal_with_static
+from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layout import PageLayout
@@ -80,6 +81,9 @@ class PagedLayer:
     Args:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
         dtype: the model's activation dtype (tails and queries); device: where the pages live.
+        window: the layer's sliding window (a query at position ``p`` attends positions ``> p - window``), or
+            None. vLLM's table of such a layer names the null block (id 0) for blocks that left the window, and
+            the kernels never read a block 0 (kvpack's own cache marks released blocks the same way).
         calibration: the layer's static scales and outlier channels (a format with static specs needs them); values
             that fall outside the static scales' range are counted in ``clip_monitor``, which warns
             (:class:`~kvpack.calibration.CalibrationDriftWarning`) past 1% of a layer's sealed values.
@@ -94,8 +98,12 @@ class PagedLayer:
         dtype: torch.dtype,
         device: torch.device,
         calibration: LayerCalibration | None = None,
+        window: int | None = None,
     ) -> None:
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ConfigError(f"kvpack: a sliding window must be a positive number of tokens, got {window!r}")
         self.format = fmt
+        self.window = window
         self.calibration = calibration
         # values outside the static scales' range, counted as blocks seal: a warning when the inputs drift from the
         # calibration text (kvpack.calibration.ClipMonitor, as in kvpack's own cache)
@@ -279,7 +287,7 @@ class PagedLayer:
         key = (id(kv), q.dtype, kernel)
         name = self._backend_of.get(key)
         if name is None:
-            name = self._backend_of[key] = choose_backend(q, kv, None, kernel)
+            name = self._backend_of[key] = choose_backend(q, kv, self.window, kernel)
         return name
 
     def attend(
@@ -302,14 +310,14 @@ class PagedLayer:
         if st.decode_dense:  # every request decodes, request i's query is token i: no gather, no scatter
             kv = self.view(kv_cache, st)
             q, dst = query[: kv.batch], out[: kv.batch]
-            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale,
+            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window,
                               out=dst if dst.dtype == query.dtype else None)  # fmt: skip
             if res is not dst:
                 dst.copy_(res)
         elif st.decode_rows.numel():
             kv = self.view(kv_cache, st, st.decode_rows)
             q = query[st.decode_tokens]
-            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale)
+            res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window)
             out[st.decode_tokens] = res.to(out.dtype)
         by_len: dict[int, list[int]] = {}  # prefill rows with the same number of queries share one call
         for i in st.prefill_rows.tolist():
@@ -318,11 +326,11 @@ class PagedLayer:
             starts = [int(plan.query_start[i]) for i in rows]
             q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
             kv = self.view(kv_cache, st, torch.tensor(rows, device=st.seq_lens.device))
-            name = fused_chunk_backend(q, kv, None, kernel)
+            name = fused_chunk_backend(q, kv, self.window, kernel)
             if name is None:
-                res = paged_attention_reference(q, kv, sm_scale=sm_scale)
+                res = paged_attention_reference(q, kv, sm_scale=sm_scale, window=self.window)
             else:
-                res = run_chunk_backend(name, q, kv, sm_scale)
+                res = run_chunk_backend(name, q, kv, sm_scale, self.window)
             for a, r in zip(starts, res):
                 out[a : a + t] = r.to(out.dtype)
 
