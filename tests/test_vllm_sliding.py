@@ -74,6 +74,8 @@ def test_int8_serves_the_sliding_window_model(job, stock):
     assert res["kv_capacity_tokens"] == _size_predicts(job["model"], "int8")
     assert res["tails_left"] == 0
     same = sum(a == b for a, b in zip(res["outputs"], stock["outputs"]))
-    print(f"gemma3-270m int8: {same} of {len(stock['outputs'])} sequences identical to the stock backend over 48 tokens")
+    print(
+        f"gemma3-270m int8: {same} of {len(stock['outputs'])} sequences identical to the stock backend over 48 tokens"
+    )
     # measured 5 of 6 (2 threads and 1); Gemma's int8 KL is 9e-4 against the embedded model's 6e-5 (docs/quality.md)
     assert same >= 4
