@@ -122,6 +122,18 @@ def test_backend_check_keeps_vllms_own_reasons():
     assert "sliding window not supported" not in reasons  # the kernels take the window
 
 
+def test_a_sliding_window_model_is_served_but_a_plan_on_it_is_refused():
+    from kvpack.models import registry
+
+    gemma = str(registry.ensure_converted(name="gemma3-270m"))  # 5 of 6 layers attend a 512-token window
+    selector = SELECTOR._replace(head_size=256, has_sliding_window=True)
+    for fmt, expected in (("int8", None), ("int4/int8[5]", "per-layer plan 'int4/int8[5]' on a model with sliding")):
+        cfg = _engine_config(model=gemma, max_model_len=1024)
+        cfg.additional_config = {"kvpack": {"format": fmt}}
+        reasons = _validate(cfg, selector)
+        assert reasons == [] if expected is None else any(expected in r for r in reasons), (fmt, reasons)
+
+
 def test_profiling_run_allocates_the_tails():
     """vLLM's memory profiler (CUDA) counts what the profiling run leaves allocated: the tails are among it."""
     cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})

@@ -309,7 +309,7 @@ def estimate(
             continue
         if isinstance(fmt, LayerPlan):
             row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
-            if vllm is not None and vllm_layers_per_block(n_layers, model.windows) == n_layers:
+            if vllm is not None and model.windows is None:
                 row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
             # (none with sliding-window layers: the vLLM backend refuses a plan there, see docs/vllm.md)
             result.rows.append(row)
@@ -531,14 +531,14 @@ def vllm_capacity_tokens(
     block id costs the pages of one group's layers (:func:`vllm_layers_per_block`)."""
     fmts = fmt.formats(layers) if isinstance(fmt, LayerPlan) else [fmt] * layers
     left = space_bytes - vllm_tail_bytes(fmts[0], layers, kv_heads, head_dim, act_bytes, seqs)
+    if isinstance(fmt, LayerPlan) and fmt.overrides and windows and any(w is not None for w in windows):
+        raise ConfigError(
+            "a per-layer plan on a model with sliding-window layers: the kvpack vLLM backend does not serve it "
+            "(vLLM groups such a model's layers by attention type, a group needing pages of one size); give one format"
+        )
     per_block = vllm_layers_per_block(layers, windows)
     if per_block == layers:
         block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)
-    elif isinstance(fmt, LayerPlan) and fmt.overrides:
-        raise ConfigError(
-            "a per-layer plan on a model with sliding-window layers: vLLM's groups of such a model need pages of one "
-            "size, and the kvpack backend refuses it; give one format"
-        )
     else:
         block = per_block * vllm_page(fmts[0], kv_heads, head_dim, act_bytes).page_bytes
     return max(left, 0) // block * fmts[0].block_size

@@ -86,7 +86,7 @@ class KVPackAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return True  # the kernels take the window; blocks out of it are vLLM's null block, which they never read
+        return True  # the kernels take the window and never read a block out of it (stale ids, the null block)
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -217,7 +217,7 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self.sliding_window = sliding_window  # its layer's group names the null block for blocks out of the window
+        self.sliding_window = sliding_window  # passed to the kernels, which read only the blocks inside it
         self._layer: PagedLayer | None = None
 
     def _ensure_layer(self, capacity: int, query: torch.Tensor, name: str | None) -> None:

@@ -192,9 +192,9 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
         window = getattr(hf, "sliding_window", None) if hf is not None else None
         if window and getattr(hf, "use_sliding_window", True) is not False and plan.overrides:
             reasons.append(
-                f"per-layer plan {plan.name!r} on a model with sliding-window layers (window {window}): vLLM groups "
-                "such a model's layers by attention type, and its groups need pages of one size; give one format "
-                "for every layer"
+                f"per-layer plan {plan.name!r} on a model with sliding-window layers (window {window}): not served "
+                "(vLLM groups such a model's layers by attention type, and a group needs pages of one size); give "
+                "one format for every layer"
             )
         if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"model dtype {model.dtype}: the kvpack tails take float16, bfloat16 or float32")

@@ -82,8 +82,8 @@ class PagedLayer:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
         dtype: the model's activation dtype (tails and queries); device: where the pages live.
         window: the layer's sliding window (a query at position ``p`` attends positions ``> p - window``), or
-            None. vLLM's table of such a layer names the null block (id 0) for blocks that left the window, and
-            the kernels never read a block 0 (kvpack's own cache marks released blocks the same way).
+            None. For blocks that left the window vLLM's tables name the null block (id 0) or a stale id that
+            may be another request's block by now; the kernels read neither (only blocks inside the window).
         calibration: the layer's static scales and outlier channels (a format with static specs needs them); values
             that fall outside the static scales' range are counted in ``clip_monitor``, which warns
             (:class:`~kvpack.calibration.CalibrationDriftWarning`) past 1% of a layer's sealed values.
