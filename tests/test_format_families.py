@@ -18,7 +18,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from kvpack.errors import ConfigError
+from _models import installed_model
 from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
 from kvpack.models.stress import add_key_bias
@@ -74,13 +74,7 @@ GEMMA_FORMATS = ["fp8", "fp8-plain", "int8", "k=int8:channel:asym,v=int8:token,s
 
 @pytest.fixture(scope="module")
 def gemma_kl():
-    from kvpack.models import registry
-
-    model = registry.get("gemma3-270m")
-    try:
-        registry.find_chunks(model)
-    except ConfigError:
-        pytest.fail(f"test model gemma3-270m is not installed (make install installs it): {model.install_command}")
+    installed_model("gemma3-270m")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

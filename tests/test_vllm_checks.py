@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
+from _models import installed_model
 from kvpack import parse_format
 from kvpack.errors import ConfigError
 from kvpack.integrations.vllm import config as kcfg
@@ -123,9 +124,7 @@ def test_backend_check_keeps_vllms_own_reasons():
 
 
 def test_a_sliding_window_model_is_served_but_a_plan_on_it_is_refused():
-    from kvpack.models import registry
-
-    gemma = str(registry.ensure_converted(name="gemma3-270m"))  # 5 of 6 layers attend a 512-token window
+    gemma = installed_model("gemma3-270m")  # 5 of 6 layers attend a 512-token window
     selector = SELECTOR._replace(head_size=256, has_sliding_window=True)
     for fmt, expected in (("int8", None), ("int4/int8[5]", "per-layer plan 'int4/int8[5]' on a model with sliding")):
         cfg = _engine_config(model=gemma, max_model_len=1024)

@@ -18,8 +18,8 @@ import json
 import subprocess
 import sys
 
+from _models import installed_model
 from kvpack.bench.vllm import prose_token_ids, workload
-from kvpack.errors import ConfigError
 from kvpack.integrations.vllm.engine import run_engine
 
 pytestmark = pytest.mark.slow
@@ -32,14 +32,7 @@ ENGINE_THREADS = 1  # the suite runs two test files at once on two cores (see te
 
 @pytest.fixture(scope="module")
 def job():
-    from kvpack.models import registry
-
-    model = registry.get("gemma3-270m")
-    try:
-        registry.find_chunks(model)
-    except ConfigError:
-        pytest.fail(f"test model gemma3-270m is not installed (make install installs it): {model.install_command}")
-    path = str(registry.ensure_converted(name="gemma3-270m"))
+    path = installed_model("gemma3-270m")
     prompts = workload(prose_token_ids(path), requests=6, prefix=192, extra=(500, 700), seed=3)
     assert min(map(len, prompts)) > WINDOW + 64  # every request's first blocks leave the window
     return {
