@@ -4,6 +4,7 @@ process, with timers around the parts of each layer's step (the engine's warm-up
     python benchmarks/vllm_time_split.py --format int4            # the quick workload
     python benchmarks/vllm_time_split.py --format int8 --full     # the default (longer) workload
     python benchmarks/vllm_time_split.py --format int4 --dtype bfloat16   # a bfloat16 model
+    python benchmarks/vllm_time_split.py --format int4 --full --model gemma3-270m   # sliding-window layers
 
 Prints, per part, its total seconds, its calls and microseconds per call: the whole attention layer
 (``forward``), its writes (``write``: the seals, of which the compiled gathering and quantization, and the tail
@@ -78,11 +79,14 @@ def main() -> None:
     ap.add_argument("--format", default="int4", help="a kvpack format (default int4)")
     ap.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
     ap.add_argument("--dtype", default="float32", help="the model's dtype: float32 (default), bfloat16, float16")
+    ap.add_argument("--model", default=None, help="a model folder or registered test model (default: the embedded)")
     args = ap.parse_args()
     from kvpack.bench.vllm import base_job, provider_job
     from kvpack.integrations.vllm import engine
+    from kvpack.models.embedded import resolve_model_path
 
-    job = {**base_job(quick=not args.full, dtype=args.dtype), **provider_job(args.format)}
+    model = None if args.model is None else str(resolve_model_path(args.model))
+    job = {**base_job(quick=not args.full, model=model, dtype=args.dtype), **provider_job(args.format)}
     _install()
     sys.stdin = io.StringIO(json.dumps(job))
     out = io.StringIO()
