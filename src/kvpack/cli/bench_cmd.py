@@ -39,7 +39,7 @@ VLLM_EPILOG = """\
 examples:
   kvpack bench vllm --quick                # vLLM default and fp8 against kvpack int8, int4, k4v2
   kvpack bench vllm --formats vllm-default,int4 --kv-mib 64 --json
-  kvpack bench vllm --model gemma3-270m --kv-mib 160   # a model with sliding-window layers
+  kvpack bench vllm --model gemma3-270m --formats vllm-default,vllm-fp8,int8,int4   # sliding-window layers
 """
 
 

@@ -190,7 +190,10 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
         if getattr(model, "use_mla", False):
             reasons.append("MLA models (latent KV) are not served by the kvpack backend")
         window = getattr(hf, "sliding_window", None) if hf is not None else None
-        if window and getattr(hf, "use_sliding_window", True) is not False and plan.overrides:
+        types = getattr(hf, "layer_types", None)
+        sliding = bool(window) and getattr(hf, "use_sliding_window", True) is not False
+        sliding = sliding and (not isinstance(types, list | tuple) or "sliding_attention" in types)
+        if sliding and plan.overrides:
             reasons.append(
                 f"per-layer plan {plan.name!r} on a model with sliding-window layers (window {window}): not served "
                 "(vLLM groups such a model's layers by attention type, and a group needs pages of one size); give "
