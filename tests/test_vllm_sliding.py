@@ -76,3 +76,42 @@ def test_int8_serves_the_sliding_window_model(job, stock):
     )
     # measured 6 of 6 (one thread); Gemma's int8 KL is 9e-4 against the embedded model's 6e-5 (docs/quality.md)
     assert same >= 5
+
+
+# -- every layer on a window (Mistral's form): one group ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def windowed_embedded(tmp_path_factory):
+    """The embedded model with every layer on a 128-token window (``layer_types``, which vLLM's Llama reads): its
+    files linked, its config changed. vLLM serves it as one group of sliding layers."""
+    import os
+    from pathlib import Path
+
+    from kvpack.models.embedded import ensure_converted
+
+    src, dst = Path(ensure_converted()), tmp_path_factory.mktemp("windowed")
+    for f in src.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg |= {"sliding_window": 128, "layer_types": ["sliding_attention"] * cfg["num_hidden_layers"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    prompts = workload(prose_token_ids(str(dst)), requests=8, prefix=128, extra=(100, 200), seed=3)
+    return {
+        "model": str(dst), "prompts": prompts, "max_tokens": 96, "max_num_seqs": SEQS, "max_model_len": 512,
+        "max_num_batched_tokens": 256, "threads": ENGINE_THREADS, "detokenize": False,
+    }  # fmt: skip
+
+
+def test_a_model_windowed_in_every_layer_is_served(windowed_embedded):
+    job = windowed_embedded
+    stock = run_engine({**job, "format": None, "kv_bytes": 40 * 2**20})
+    passthrough = run_engine({**job, "format": "kv=fp32", "kv_bytes": 52 * 2**20})
+    int8 = run_engine({**job, "format": "int8", "kv_bytes": 24 * 2**20})
+    assert passthrough["outputs"] == stock["outputs"]  # sequences of 230-420 tokens: past the window
+    for res, fmt, space in ((passthrough, "kv=fp32", 52 * 2**20), (int8, "int8", 24 * 2**20)):
+        assert res["tails_left"] == 0
+        assert res["kv_capacity_tokens"] == _size_predicts(job["model"], fmt, space)
+    same = sum(a == b for a, b in zip(int8["outputs"], stock["outputs"]))
+    print(f"embedded model on a 128-token window, int8: {same} of {len(stock['outputs'])} sequences identical")
