@@ -370,6 +370,21 @@ def test_vllm_groups_a_sliding_window_model_by_attention_type() -> None:
         vllm_capacity_tokens(parse_formats(["int4/int8[0]"])[0], 18, 1, 256, 4, space, 4, gemma)
 
 
+def test_size_says_vllm_refuses_a_plan_on_a_sliding_window_model(tmp_path: Path, capsys) -> None:
+    cfg = {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": 512, "layer_types": GEMMA3_270M_TYPES}))
+    args = ["--model", str(tmp_path), "--context", "1k", "--format", "int4/int8[5]", "--format", "int8"]
+    args += ["--vllm-space", "96MiB", "--max-num-seqs", "4"]
+    out = run_json(capsys, *args)
+    plan, int8 = out["formats"]
+    assert "vllm_tokens" not in plan and "sliding-window layers" in plan["vllm_refused"]
+    assert int8["vllm_tokens"] > 0 and "vllm_refused" not in int8
+    assert main(["size", *args]) == 0
+    text = capsys.readouterr().out
+    assert "refused (int4/int8[5]): a per-layer plan on a model with sliding-window layers" in text
+    assert "groups of 3 by attention type" in text
+
+
 def test_config_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

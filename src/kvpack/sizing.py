@@ -162,6 +162,7 @@ class FormatRow:
     shared_prefix_total_bytes: int | None = None
     sink_bytes_per_sequence: int = 0  # the fp16 sink buffer of a format with sink > 0 (in bytes_per_sequence)
     vllm_tokens: int | None = None  # tokens vLLM holds with the kvpack backend in the given KV space
+    vllm_refused: str | None = None  # why the kvpack vLLM backend does not serve this format on this model
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -184,6 +185,8 @@ class FormatRow:
             d["shared_prefix_total_bytes"] = self.shared_prefix_total_bytes
         if self.vllm_tokens is not None:
             d["vllm_tokens"] = self.vllm_tokens
+        if self.vllm_refused is not None:
+            d["vllm_refused"] = self.vllm_refused
         return d
 
 
@@ -311,7 +314,8 @@ def estimate(
             row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
             if vllm is not None and model.windows is None:
                 row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
-            # (none with sliding-window layers: the vLLM backend refuses a plan there, see docs/vllm.md)
+            elif vllm is not None:
+                row.vllm_refused = VLLM_PLAN_WITH_WINDOWS
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -498,6 +502,12 @@ def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, ac
     return seqs * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
 
 
+VLLM_PLAN_WITH_WINDOWS = (
+    "a per-layer plan on a model with sliding-window layers: the kvpack vLLM backend does not serve it (vLLM groups "
+    "such a model's layers by attention type, a group needing pages of one size)"
+)
+
+
 def vllm_layers_per_block(layers: int, windows: Sequence[int | None] | None = None) -> int:
     """How many layers' pages one vLLM block id costs.
 
@@ -532,10 +542,7 @@ def vllm_capacity_tokens(
     fmts = fmt.formats(layers) if isinstance(fmt, LayerPlan) else [fmt] * layers
     left = space_bytes - vllm_tail_bytes(fmts[0], layers, kv_heads, head_dim, act_bytes, seqs)
     if isinstance(fmt, LayerPlan) and fmt.overrides and windows and any(w is not None for w in windows):
-        raise ConfigError(
-            "a per-layer plan on a model with sliding-window layers: the kvpack vLLM backend does not serve it "
-            "(vLLM groups such a model's layers by attention type, a group needing pages of one size); give one format"
-        )
+        raise ConfigError(f"{VLLM_PLAN_WITH_WINDOWS}; give one format")
     per_block = vllm_layers_per_block(layers, windows)
     if per_block == layers:
         block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)

@@ -147,8 +147,8 @@ def render(p) -> str:
             row += [f"{r.max_batch:,}", f"{r.max_context:,}"]
         if p.shared_prefix is not None:
             row += [f"{r.shared_prefix_total_bytes / div:,.3f}"]
-        if p.vllm is not None:
-            row += [f"{r.vllm_tokens:,}"]
+        if p.vllm is not None:  # none: the backend does not serve it (a plan on a model with sliding-window layers)
+            row += ["refused" if r.vllm_tokens is None else f"{r.vllm_tokens:,}"]
         rows.append(row)
     out += _table(rows, right=set(range(1, len(header))))
     out += [
@@ -184,6 +184,9 @@ def render(p) -> str:
             f"pages of the format's blocks with the sink rows in every page, after full-precision tails for "
             f"max_num_seqs={v.seqs} requests; vLLM's own cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
         )
+        refused = [r for r in p.rows if r.vllm_refused]
+        if refused:
+            out.append(f"refused ({', '.join(r.format.name for r in refused)}): {refused[0].vllm_refused}.")
         per_block = vllm_layers_per_block(p.model.layers, p.model.windows)
         if per_block != p.model.layers:
             out.append(
