@@ -36,6 +36,7 @@ __all__ = [
     "vllm_capacity_tokens",
     "vllm_layers_per_block",
     "vllm_page",
+    "vllm_refusal",
     "vllm_tail_bytes",
 ]
 
@@ -312,10 +313,10 @@ def estimate(
             continue
         if isinstance(fmt, LayerPlan):
             row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
-            if vllm is not None and model.windows is None:
+            if vllm is not None:
+                row.vllm_refused = vllm_refusal(fmt, model.windows)
+            if vllm is not None and row.vllm_refused is None:
                 row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
-            elif vllm is not None:
-                row.vllm_refused = VLLM_PLAN_WITH_WINDOWS
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -508,6 +509,14 @@ VLLM_PLAN_WITH_WINDOWS = (
 )
 
 
+def vllm_refusal(fmt: KVFormat | LayerPlan, windows: Sequence[int | None] | None) -> str | None:
+    """Why the kvpack vLLM backend does not serve ``fmt`` on a model whose layers have these sliding windows
+    (None: it does)."""
+    if isinstance(fmt, LayerPlan) and fmt.overrides and windows and any(w is not None for w in windows):
+        return VLLM_PLAN_WITH_WINDOWS
+    return None
+
+
 def vllm_layers_per_block(layers: int, windows: Sequence[int | None] | None = None) -> int:
     """How many layers' pages one vLLM block id costs.
 
@@ -541,8 +550,9 @@ def vllm_capacity_tokens(
     block id costs the pages of one group's layers (:func:`vllm_layers_per_block`)."""
     fmts = fmt.formats(layers) if isinstance(fmt, LayerPlan) else [fmt] * layers
     left = space_bytes - vllm_tail_bytes(fmts[0], layers, kv_heads, head_dim, act_bytes, seqs)
-    if isinstance(fmt, LayerPlan) and fmt.overrides and windows and any(w is not None for w in windows):
-        raise ConfigError(f"{VLLM_PLAN_WITH_WINDOWS}; give one format")
+    refused = vllm_refusal(fmt, windows)
+    if refused:
+        raise ConfigError(f"{refused}; give one format")
     per_block = vllm_layers_per_block(layers, windows)
     if per_block == layers:
         block = sum(vllm_page(f, kv_heads, head_dim, act_bytes).page_bytes for f in fmts)

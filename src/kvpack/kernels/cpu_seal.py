@@ -158,7 +158,8 @@ def seal_step(
 
     Args:
         tails: ``[capacity, H, T, D]`` the key and value tails; new: ``[N, H, D]`` the step's rows (strided
-            views allowed, as vLLM hands them over), the tails' dtype. slots, froms, toks: as in :func:`gather_blocks`; ids: ``[K]`` destination rows.
+            views allowed, as vLLM hands them over), the tails' dtype. slots, froms, toks: as in
+            :func:`gather_blocks`; ids: ``[K]`` destination rows.
         specs: the key and value specs (:func:`supports` both). rows: ``(data, scale, zero)`` for each, as in
             :func:`seal_blocks`.
 

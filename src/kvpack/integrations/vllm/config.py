@@ -22,6 +22,7 @@ import torch
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import calibration_reasons
+from kvpack.modelspecs import config_windows
 from kvpack.plans import LayerPlan, parse_plan
 from kvpack.sizing import vllm_tail_bytes
 
@@ -189,15 +190,11 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
     if model is not None:
         if getattr(model, "use_mla", False):
             reasons.append("MLA models (latent KV) are not served by the kvpack backend")
-        window = getattr(hf, "sliding_window", None) if hf is not None else None
-        types = getattr(hf, "layer_types", None)
-        sliding = bool(window) and getattr(hf, "use_sliding_window", True) is not False
-        sliding = sliding and (not isinstance(types, list | tuple) or "sliding_attention" in types)
-        if sliding and plan.overrides:
+        if plan.overrides and _has_windows(hf):
             reasons.append(
-                f"per-layer plan {plan.name!r} on a model with sliding-window layers (window {window}): not served "
-                "(vLLM groups such a model's layers by attention type, and a group needs pages of one size); give "
-                "one format for every layer"
+                f"per-layer plan {plan.name!r} on a model with sliding-window layers: not served (vLLM groups such "
+                "a model's layers by attention type, and a group needs pages of one size); give one format for "
+                "every layer"
             )
         if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"model dtype {model.dtype}: the kvpack tails take float16, bfloat16 or float32")
@@ -208,6 +205,21 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
             except FormatError as e:
                 reasons.append(str(e))
     return reasons
+
+
+def _has_windows(hf: Any) -> bool:
+    """Whether some layer of the model whose (text) config is ``hf`` attends a sliding window
+    (:func:`kvpack.modelspecs.config_windows`, which reads the same fields from a ``config.json``)."""
+    layers = getattr(hf, "num_hidden_layers", None)
+    if hf is None or not isinstance(layers, int) or layers < 1:
+        return False
+    fields = {k: getattr(hf, k, None) for k in ("sliding_window", "use_sliding_window", "layer_types")}
+    if isinstance(fields["layer_types"], tuple):
+        fields["layer_types"] = list(fields["layer_types"])
+    try:
+        return config_windows(fields, layers) is not None
+    except ConfigError:  # a malformed window field: vLLM's own config step judges it; a plan is not served then
+        return True
 
 
 def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: str | None = None) -> list[str]:
