@@ -302,14 +302,26 @@ def test_bad_strings_raise_clear_format_errors(text: str, needles: list[str]) ->
         assert n in str(info.value), f"{n!r} not in {info.value}"
 
 
-def test_group_not_dividing_head_dim() -> None:
-    f = parse_format("kv=int4:g64")
-    assert f.reasons_invalid(128) == []
-    reasons = f.reasons_invalid(96)
-    assert len(reasons) == 2 and all("not divisible by the group size 64" in r for r in reasons)
-    with pytest.raises(FormatError, match="head_dim 96 is not divisible by the group size 64"):
-        f.check(96)
-    PRESETS["int4-g32"].check(96)  # 96 = 3 x 32 is fine
+def test_groups_that_do_not_divide_head_dim_become_narrower_never_wider() -> None:
+    g32 = PerGroup(32)
+    # exactly 32 where it divides; Phi-2's 80: four groups of 20 (three of 26.7 cannot be); 120: five of 24
+    assert [g32.width(d) for d in (64, 96, 128, 256, 80, 120, 48, 112, 40)] == [32, 32, 32, 32, 20, 24, 24, 28, 20]
+    assert PerGroup(64).scale_shape(2, 16, 96) == (2, 16, 2)  # 96 = 2 x 48
+    for size in range(1, 70):
+        for d in range(1, 300):
+            n = PerGroup(size).groups(d)
+            assert d % n == 0 and d // n <= size  # equal groups, never wider than asked
+            fewer = [m for m in range(-(-d // size), n) if d % m == 0]
+            # the fewest such groups, preferring whole 4-channel runs (packed 2- and 4-bit codes fill bytes)
+            assert not any((d // m) % 4 == 0 for m in fewer)
+            if d % size and (d // n) % 4:  # (where size divides d, the groups are exactly size wide)
+                assert not any((d // m) % 4 == 0 for m in range(n, d + 1) if d % m == 0)
+    f = parse_format("int4")  # keys per channel, values in g32
+    assert f.reasons_invalid(80) == []
+    # the narrower groups are paid in bytes: 4 value scales and zeros per token at 80 instead of 2.5
+    assert f.value.scale_bytes(1, 64, 80) == 64 * 4 * 2 * 2
+    assert f.bits_per_element(1, 80) > f.bits_per_element(1, 64)
+    PRESETS["int4-g32"].check(96)  # 96 = 3 x 32
     with pytest.raises(FormatError, match="head_dim must be positive"):
         PRESETS["int8"].check(0)
 

@@ -128,11 +128,6 @@ def _broken() -> list[tuple[str, PagedKV, str]]:
         ("sink dtype", _sink(i8, 2, torch.float16), "in the tail dtype"),
         ("sink length", _sink(i8, 17), "S <= block_size"),
         ("rotation shape", dataclasses.replace(i8, key_rotation=torch.eye(D + 1)), "key_rotation must be"),
-        (
-            "group and head_dim",
-            dataclasses.replace(i8, format=parse_format("k=int8:channel,v=int8:g48,block=16")),
-            "value: head_dim 64 is not divisible by the group size 48",
-        ),
         ("one device", dataclasses.replace(i8, tail_k=i8.tail_k.to("meta")), "on one device"),
     ]
     return cases

@@ -108,6 +108,11 @@ PRESET_CASES = [
     ("kivi2", 64, 4, 128),
     ("int4-g32", 64, 1, 64),
     ("int4-g32", 32, 4, 128),
+    # head_dims that g32 does not divide (Phi-2's 80, 120): narrower groups of whole 4-channel runs
+    ("int4", 32, 4, 80),
+    ("kivi2", 16, 2, 80),
+    ("k4v2", 64, 8, 120),
+    ("int4-g32", 16, 1, 80),
 ]
 
 

@@ -66,6 +66,11 @@ PRESET_CASES = [
     ("kivi2", 32, 4, 64, 65),
     ("kivi2", 64, 1, 128, 7),
     ("int4-g32", 64, 4, 64, 7),
+    # head_dims that g32 does not divide (Phi-2's 80, 120): narrower groups of whole 4-channel runs
+    ("int4", 32, 4, 80, 7),
+    ("int4-o4", 16, 2, 80, 65),
+    ("kivi2", 16, 1, 120, 7),
+    ("fp8", 32, 4, 80, 2),
 ]
 
 

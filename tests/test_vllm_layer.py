@@ -212,13 +212,13 @@ class _Sim:
 
     def __init__(
         self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int, window: int | None = None,
-        freed: str = "stale",
+        freed: str = "stale", head_dim: int = D,
     ):  # fmt: skip
         """``window``: the layer's sliding window. As vLLM's sliding-window manager does, a block every later query
         leaves out goes back to the free list (at its end: the next one handed out) once no request holds it;
         ``freed`` says what the request's block table names there afterwards: the old id (``stale``, as the model
         runner's list keeps it) or the null block (``null``)."""
-        self.window, self.freed_mode = window, freed
+        self.window, self.freed_mode, self.d = window, freed, head_dim
         self.fmt = parse_format(preset)
         self.b = self.fmt.block_size
         cal = _static_scales(self.fmt) if self.fmt.is_static else None
@@ -228,13 +228,13 @@ class _Sim:
             else LayerCalibration(*(None if s is None else s.layer(0) for s in (cal.key, cal.value)), None)
         )
         self.layer = PagedLayer(
-            self.fmt, H, D, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal, window=window
+            self.fmt, H, head_dim, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal, window=window
         )
         self.kv_cache, self.buf = _pages(self.layer.layout, num_blocks)
         self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.oracle = PagedKVCache(
-            self.fmt, 1, H, D, num_blocks, tail_dtype=torch.float32, max_seqs=16, calibration=cal
+            self.fmt, 1, H, head_dim, num_blocks, tail_dtype=torch.float32, max_seqs=16, calibration=cal
         )
         self.kernel = kernel
         self.gen = torch.Generator().manual_seed(seed)
@@ -288,8 +288,8 @@ class _Sim:
             req, t = self.reqs[rid], work[rid]
             need = -(-(req["n"] + t) // self.b) - len(req["blocks"])
             req["blocks"] += [int(self.free.pop()) for _ in range(need)]
-            nk = torch.randn(t, H, D, generator=self.gen) * 2
-            nv = torch.randn(t, H, D, generator=self.gen)
+            nk = torch.randn(t, H, self.d, generator=self.gen) * 2
+            nv = torch.randn(t, H, self.d, generator=self.gen)
             nk[:, :, 3] += 6.0  # an outlier key channel, as real models have
             toks_k.append(nk)
             toks_v.append(nv)
@@ -302,10 +302,10 @@ class _Sim:
         plan = self.table.plan(qs, sl, bt.numpy())
         st = StepTensors.from_plan(plan, bt)
         key, value = torch.cat(toks_k), torch.cat(toks_v)
-        query = torch.randn(int(qs[-1]), HQ, D, generator=self.gen)
+        query = torch.randn(int(qs[-1]), HQ, self.d, generator=self.gen)
         self.layer.write(self.kv_cache, plan, key, value)
         out = torch.full_like(query, float("nan"))
-        self.layer.attend(self.kv_cache, plan, st, query, out, sm_scale=D**-0.5, kernel=self.kernel)
+        self.layer.attend(self.kv_cache, plan, st, query, out, sm_scale=self.d**-0.5, kernel=self.kernel)
         for i, rid in enumerate(rids):
             req = self.reqs[rid]
             k, v = toks_k[i], toks_v[i]
@@ -345,6 +345,15 @@ def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
 
             stack.enter_context(fixed_interpreter())
         _schedule(_Sim(preset, num_blocks=48, capacity=4, kernel=kernel, seed=7))
+
+
+@pytest.mark.parametrize("preset", ["int4", "k4v2", "int4-o4,block=16", "kivi2"])
+def test_layer_at_a_head_dim_that_g32_does_not_divide(preset):
+    """Phi-2's head_dim 80: value groups of 20 channels (four a token, where g32 divides nothing), in the page
+    and read by the fused CPU kernels."""
+    sim = _Sim(preset, num_blocks=48, capacity=4, kernel="auto", seed=3, head_dim=80)
+    assert sim.layer.layout.region("v_scale").shape[-1] == 4
+    _schedule(sim)
 
 
 def _schedule(sim: _Sim) -> None:

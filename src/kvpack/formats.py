@@ -172,23 +172,36 @@ class PerToken(Granularity):
 
 @dataclass(frozen=True)
 class PerGroup(Granularity):
-    """One scale per kv head, token and group of ``size`` consecutive channels."""
+    """One scale per kv head, token and group of at most ``size`` consecutive channels.
+
+    ``head_dim`` is split into the fewest equal groups of at most ``size`` channels, each a whole number of
+    4-channel runs (so 2- and 4-bit codes of one group fill whole bytes) where ``head_dim`` allows it. Where
+    ``size`` divides ``head_dim`` (64, 128, 256 with ``g32``) the groups are exactly ``size`` wide; elsewhere they
+    are narrower, never wider, so a format keeps at least the precision its name promises and pays the extra
+    scales in its bytes (``g32`` at Phi-2's head_dim 80: four groups of 20; at 120: five of 24).
+    :meth:`width` gives the channels per group.
+    """
 
     size: int = 32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size <= 0:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
             raise FormatError(f"group size must be a positive integer, got {self.size!r}")
 
-    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
-        return (kv_heads, block_size, head_dim // self.size)
+    def groups(self, head_dim: int) -> int:
+        """Number of groups along ``head_dim`` (``head_dim`` > 0)."""
+        if head_dim % self.size == 0:
+            return head_dim // self.size
+        least = -(-head_dim // self.size)
+        whole = [n for n in range(least, head_dim + 1) if head_dim % n == 0]
+        return next((n for n in whole if (head_dim // n) % 4 == 0), whole[0])
 
-    def reasons_invalid(self, head_dim: int) -> list[str]:
-        if head_dim % self.size:
-            return [
-                f"head_dim {head_dim} is not divisible by the group size {self.size}; use a group size that divides it"
-            ]
-        return []
+    def width(self, head_dim: int) -> int:
+        """Channels per group at ``head_dim``: ``size`` where it divides ``head_dim``, else the widest narrower fit."""
+        return head_dim // self.groups(head_dim)
+
+    def scale_shape(self, kv_heads: int, block_size: int, head_dim: int) -> tuple[int, int, int]:
+        return (kv_heads, block_size, self.groups(head_dim))
 
     @property
     def name(self) -> str:
