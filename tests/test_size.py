@@ -332,6 +332,31 @@ def test_config_variants() -> None:
         shape_from_config({"num_attention_heads": 4, "hidden_size": 256}, "x")
 
 
+def test_kv_heads_by_the_rules_vllm_follows() -> None:
+    """Configs that name their kv heads in other fields (the sizes of the public checkpoints)."""
+    falcon7b = {"model_type": "falcon", "num_hidden_layers": 32, "num_attention_heads": 71, "hidden_size": 4544,
+                "multi_query": True, "new_decoder_architecture": False, "num_kv_heads": 71}  # fmt: skip
+    assert (shape_from_config(falcon7b).kv_heads, shape_from_config(falcon7b).head_dim) == (1, 64)
+    falcon40b = {**falcon7b, "num_attention_heads": 128, "hidden_size": 8192, "new_decoder_architecture": True,
+                 "num_kv_heads": 8}  # fmt: skip
+    assert shape_from_config(falcon40b).kv_heads == 8  # the new decoder architecture ignores multi_query
+    rw = {"model_type": "RefinedWeb", "n_layer": 60, "n_head": 128, "n_head_kv": 8, "hidden_size": 8192}
+    assert (shape_from_config(rw).layers, shape_from_config(rw).kv_heads) == (60, 8)
+    starcoder = {"model_type": "gpt_bigcode", "n_layer": 40, "n_head": 48, "n_embd": 6144, "multi_query": True}
+    assert (shape_from_config(starcoder).kv_heads, shape_from_config(starcoder).head_dim) == (1, 128)
+    mpt = {"model_type": "mpt", "n_layers": 32, "n_heads": 32, "d_model": 4096, "attn_config": {"kv_n_heads": 8}}
+    assert (shape_from_config(mpt).layers, shape_from_config(mpt).kv_heads, shape_from_config(mpt).head_dim) == (
+        32, 8, 128,
+    )  # fmt: skip
+    glm = {"model_type": "chatglm", "num_layers": 28, "num_attention_heads": 32, "hidden_size": 4096,
+           "multi_query_attention": True, "multi_query_group_num": 2, "kv_channels": 128}  # fmt: skip
+    assert (shape_from_config(glm).kv_heads, shape_from_config(glm).head_dim) == (2, 128)
+    with pytest.raises(ConfigError, match="kv_n_heads must be a positive integer"):
+        shape_from_config({**mpt, "attn_config": {"kv_n_heads": 0}})
+    with pytest.raises(ConfigError, match="n_head_kv must be a positive integer"):
+        shape_from_config({**rw, "n_head_kv": "8"})
+
+
 GEMMA3_270M_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
 
@@ -425,8 +450,8 @@ def test_config_errors(tmp_path: Path) -> None:
         (["--model", "mistral-7b", "--context", "8k", "--gpu-mem", "0"], "--gpu-mem must be positive"),
         (["--model", "mistral-7b", "--context", "8k", "--gpu-mem", "lots"], "--gpu-mem must be a size"),
         (
-            ["--layers", "2", "--kv-heads", "2", "--head-dim", "96", "--context", "1k", "--format", "kv=int4:g64"],
-            "not divisible",
+            ["--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--context", "1k", "--format", "int4-o4"],
+            "leave nothing to quantize",
         ),
     ],
 )
@@ -439,12 +464,20 @@ def test_unreadable_config(tmp_path: Path, capsys) -> None:
     assert "not valid JSON" in run_error(capsys, "--model", str(tmp_path), "--context", "8k")
 
 
-def test_default_formats_skip_what_the_head_dim_cannot_hold(capsys) -> None:
-    # head_dim 80 is not a multiple of 32: the grouped presets are skipped, with the reason shown
+def test_default_formats_at_a_head_dim_that_g32_does_not_divide(capsys) -> None:
+    # Phi-2's head_dim 80: the grouped presets take four groups of 20 channels (not refused), paid in their bits
     out = run_json(capsys, "--layers", "32", "--kv-heads", "32", "--head-dim", "80", "--context", "2k")
+    rows = {r["format"]: r for r in out["formats"]}
+    assert set(rows) == set(PRESETS) and out["skipped"] == []
+    assert rows["int4"]["bits_per_element"] == pytest.approx((4 + 32 / 64 + 4 + 32 / 20) / 2)
+    assert rows["int4-g32"]["bits_per_element"] == pytest.approx(4 + 32 / 20)
+
+
+def test_default_formats_skip_what_the_head_dim_cannot_hold(capsys) -> None:
+    out = run_json(capsys, "--layers", "2", "--kv-heads", "2", "--head-dim", "4", "--context", "1k")
     names = [r["format"] for r in out["formats"]]
-    assert names == ["fp16", "bf16", "fp8", "fp8-plain", "fp8_e5m2", "fp8-o4", "int8"]  # fp8 rotates any head_dim
-    assert any(s.startswith("int4-g32:") and "not divisible" in s for s in out["skipped"])
+    assert "int4-o4" not in names and "fp8-o4" not in names and "int4" in names
+    assert any(s.startswith("int4-o4:") and "leave nothing to quantize" in s for s in out["skipped"])
 
 
 def test_list_models(capsys) -> None:

@@ -109,10 +109,16 @@ CONFIG_SIZE_FIELDS = (
     "n_head",
     "n_embd",
     "num_layers",
+    "n_layers",
+    "n_heads",
+    "n_head_kv",
+    "multi_query_group_num",
+    "hidden_size_per_head",
+    "kv_channels",
 )
 
 
-def check_config_sizes(cfg: Any, where: str = "config") -> None:
+def check_config_sizes(cfg: Any, where: str = "config", fields: tuple[str, ...] = CONFIG_SIZE_FIELDS) -> None:
     """Refuse a config (a ``config.json`` dict or a config object) whose size fields are not positive integers
     (``"abc"``, ``0``, ``-1``, ``2.5``, ``true``), naming the field: a bad size would otherwise be replaced by a
     default or fail deep inside a model loader.
@@ -122,7 +128,7 @@ def check_config_sizes(cfg: Any, where: str = "config") -> None:
     """
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         check_config_sizes(cfg["text_config"], f"{where} (text_config)")
-    for name in CONFIG_SIZE_FIELDS:
+    for name in fields:
         v = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
         if v is None:
             continue
@@ -165,11 +171,13 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the decoder here
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "tie_word_embeddings"}}
     check_config_sizes(cfg, name)
-    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _get(cfg, "num_attention_heads", "n_head")
-    kv_heads = _get(cfg, "num_key_value_heads", "num_kv_heads") or heads  # null or absent: one per query head
+    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    heads = _get(cfg, "num_attention_heads", "n_head", "n_heads")
+    kv_heads = config_kv_heads(cfg) or heads  # null or absent: one per query head
     hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
-    head_dim = _get(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    head_dim = _get(cfg, "head_dim", "hidden_size_per_head", "kv_channels") or (
+        hidden // heads if hidden and heads else None
+    )
     missing = [
         n
         for n, v in (("num_hidden_layers", layers), ("num_key_value_heads or num_attention_heads", kv_heads))
@@ -192,6 +200,24 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
         params_estimated=params is not None,
         windows=config_windows(cfg, layers, name),
     )
+
+
+def config_kv_heads(cfg: dict[str, Any]) -> int | None:
+    """The kv heads a config gives, by the rules vLLM's model loaders follow; ``None`` when it names none (then
+    there is one per query head).
+
+    ``multi_query: true`` is one kv head (Falcon-7B, StarCoder's GPT-BigCode), except in Falcon's new decoder
+    architecture, which takes ``num_kv_heads``; MPT and DBRX keep theirs in ``attn_config.kv_n_heads``, ChatGLM
+    in ``multi_query_group_num``, the first Falcon checkpoints in ``n_head_kv``.
+    """
+    falcon = cfg.get("model_type") in ("falcon", "RefinedWeb", "RefinedWebModel")
+    if cfg.get("multi_query") is True and not (falcon and cfg.get("new_decoder_architecture")):
+        return 1
+    attn = cfg.get("attn_config")
+    if isinstance(attn, dict) and attn.get("kv_n_heads") is not None:
+        check_config_sizes({"kv_n_heads": attn["kv_n_heads"]}, "config (attn_config)", ("kv_n_heads",))
+        return attn["kv_n_heads"]
+    return _get(cfg, "n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num")
 
 
 def config_windows(cfg: dict[str, Any], layers: int, name: str = "config") -> tuple[int | None, ...] | None:
