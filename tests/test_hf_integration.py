@@ -1,9 +1,10 @@
 """The transformers integration on tiny random models built locally (no download).
 
 Architectures: Llama (GQA 4:2, head_dim 64), Qwen2 (MQA 4:1, head_dim 64), Mistral (sliding window on every
-layer, head_dim 128), Gemma 3 (5 of 6 layers sliding, head_dim 256). Random models are chaotic (near-flat
-logits), so exact token agreement is checked with the full-precision passthrough format, and int8 with a
-bound on the logit difference under teacher forcing.
+layer, head_dim 128), Gemma 3 (5 of 6 layers sliding, head_dim 256), and more families through ``AutoConfig``
+(:data:`FAMILIES`: QK-norm, fused QKV, partial rotary, learned positions, parallel attention, Phi-2's head_dim
+80, ...). Random models are chaotic (near-flat logits), so exact token agreement is checked with the
+full-precision passthrough format, and int8 with a bound on the logit difference under teacher forcing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import warnings
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -68,10 +71,27 @@ def _build(arch: str) -> torch.nn.Module:
         )
         assert cfg.layer_types.count("sliding_attention") == 5
         return Gemma3ForCausalLM(cfg).eval()
+    if arch in FAMILIES:
+        model_type, kw = FAMILIES[arch]
+        cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kw})
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     raise ValueError(arch)
 
 
-ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
+# model_type and what differs from _COMMON: each family's own attention layout, read through its config
+FAMILIES = {
+    "qwen3": ("qwen3", {"head_dim": 128}),  # QK-norm
+    "phi3": ("phi3", {"hidden_size": 192, "pad_token_id": 0}),  # fused QKV projection, head_dim 48
+    "phi": ("phi", {"hidden_size": 320, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),  # head_dim 80
+    "gpt_neox": ("gpt_neox", {"num_key_value_heads": 4, "rotary_pct": 0.25}),  # partial rotary
+    "gpt2": ("gpt2", {"num_key_value_heads": None, "n_positions": 1024}),  # learned positions, no kv-head field
+    "stablelm": ("stablelm", {"partial_rotary_factor": 0.25}),
+    "cohere": ("cohere", {"use_qk_norm": False}),  # parallel attention and MLP
+    "olmo2": ("olmo2", {"num_key_value_heads": 4}),  # QK-norm over all heads
+    "starcoder2": ("starcoder2", {"sliding_window": None}),  # biases everywhere
+    "granite": ("granite", {"attention_multiplier": 0.05}),  # its own attention scale
+}
+ARCHS = ["llama", "qwen2", "mistral", "gemma3", *FAMILIES]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -128,10 +148,13 @@ def test_greedy_matches_dynamic_cache(models, arch):
 def _teacher_forced_logits(model, cache, seq: torch.Tensor, mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Logits predicting tokens ``prompt_len..`` of ``seq``: prefill the prompt, then one token per step."""
     kw = {kt.cache_kwarg(model): cache}
-    out = model(input_ids=seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], **kw)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row (learned positions see it)
+    out = model(
+        input_ids=seq[:, :prompt_len], attention_mask=mask[:, :prompt_len], position_ids=pos[:, :prompt_len], **kw
+    )
     logits = [out.logits[:, -1]]
     for i in range(prompt_len, seq.shape[1] - 1):
-        out = model(input_ids=seq[:, i : i + 1], attention_mask=mask[:, : i + 1], **kw)
+        out = model(input_ids=seq[:, i : i + 1], attention_mask=mask[:, : i + 1], position_ids=pos[:, i : i + 1], **kw)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
@@ -345,6 +368,40 @@ def test_other_attention_implementation_is_refused(models):
     model.set_attn_implementation("kvpack")
     with pytest.raises(ConfigError, match=f"pass {kt.cache_kwarg(model)}=kvpack.hf.cache_for"):  # this version's
         model(input_ids=torch.randint(0, VOCAB, (1, 8)), use_cache=False)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kw"),
+    [
+        ("gptj", {"rotary_dim": 16, "num_key_value_heads": None}),
+        ("falcon", {"multi_query": True, "alibi": False}),
+        ("bloom", {"num_key_value_heads": None}),
+    ],
+)
+def test_models_that_attend_in_their_own_code_are_refused(model_type, kw):
+    """GPT-J, Falcon and Bloom compute attention in their modeling code, not through transformers' attention
+    interface: their layers would use the cache's packed handles as tensors."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_COMMON, **kw})).eval()
+    with pytest.raises(UnsupportedError, match=f"{type(model).__name__} computes attention in its own code"):
+        kvpack.hf.cache_for(model, "int8")
+    assert model.config._attn_implementation != "kvpack"  # refused before the model was switched
+    cache = kt.KVPackCache(model.config, "int8")  # built by hand and passed anyway: a typed error, not a crash
+    if model_type == "falcon":
+        assert cache.kv_heads == 1  # multi_query: one kv head, whatever num_kv_heads says
+    with pytest.raises(ConfigError, match="its own code, not transformers' attention interface"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)), **{kt.cache_kwarg(model): cache})
+
+
+def test_a_packed_handle_is_not_a_tensor_but_answers_hasattr(models):
+    from kvpack.integrations.hf_attention import PackedKV, WrongAttentionError
+
+    handle = PackedKV(kt.KVPackCache(models["llama"].config, "int8"), 0, 1)
+    with pytest.raises(WrongAttentionError, match="asked the handle for 'transpose'"):
+        handle.transpose(1, 2)
+    assert not hasattr(handle, "to") and getattr(handle, "dtype", None) is None  # AttributeError semantics kept
+    with pytest.raises(ConfigError, match="set_attn_implementation"):
+        torch.matmul(torch.ones(2), handle)
 
 
 def test_right_padding_is_refused(models):

@@ -58,11 +58,22 @@ class PaddingInfo:
     start_pos: torch.Tensor | None = None
 
 
+_WRONG_ATTENTION = (
+    "a kvpack cache hands packed K/V handles to the 'kvpack' attention function, but this model runs another "
+    "attention implementation; call model.set_attn_implementation('kvpack') (kvpack.hf.cache_for does it). A model "
+    "whose attention is its own code, not transformers' attention interface (GPT-J, Falcon, Bloom), cannot read a "
+    "kvpack cache at all: kvpack's vLLM backend serves such models (docs/vllm.md)"
+)
+
+
+class WrongAttentionError(ConfigError, AttributeError):
+    """A model's code used a :class:`PackedKV` as a tensor (an attribute such as ``.to`` or ``.transpose``).
+
+    Also an ``AttributeError``, so ``hasattr`` and ``getattr(..., default)`` on a handle keep their meaning."""
+
+
 def _wrong_attention(*_: Any, **__: Any) -> None:
-    raise ConfigError(
-        "a kvpack cache hands packed K/V handles to the 'kvpack' attention function, but this model runs another "
-        "attention implementation; call model.set_attn_implementation('kvpack') (kvpack.hf.cache_for does it)"
-    )
+    raise ConfigError(_WRONG_ATTENTION)
 
 
 class PackedKV:
@@ -91,6 +102,11 @@ class PackedKV:
         _wrong_attention()
 
     __getitem__ = _wrong_attention
+
+    def __getattr__(self, name: str) -> Any:  # only for names the handle lacks: tensor methods
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise WrongAttentionError(f"{_WRONG_ATTENTION} (it asked the handle for {name!r})")
 
     def __repr__(self) -> str:
         return f"PackedKV(layer={self.layer_idx}, shape={self.shape}, format={self.cache.format_name})"

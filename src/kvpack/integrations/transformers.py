@@ -25,6 +25,7 @@ import functools
 import inspect
 import math
 import numbers
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ from kvpack.integrations.hf_attention import (
     register,
 )
 from kvpack.kernels.views import PagedKV
+from kvpack.modelspecs import config_kv_heads
 from kvpack.plans import LayerPlan, is_plan, parse_plan
 
 __all__ = [
@@ -203,7 +205,9 @@ def model_geometry(config: PreTrainedConfig) -> tuple[int, int, int, list[int | 
     """
     cfg = _text_config(config)
     heads = getattr(cfg, "num_attention_heads", None)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    # vLLM's rules too (Falcon-7B's multi_query is one kv head whatever num_kv_heads says)
+    kv_heads = config_kv_heads(cfg.to_dict()) if hasattr(cfg, "to_dict") else None
+    kv_heads = kv_heads or getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
     if not kv_heads or not head_dim:
         raise ConfigError(f"cannot read kv_heads / head_dim from the {type(cfg).__name__}; is it a decoder config?")
@@ -532,6 +536,37 @@ def _resolve_calibration(
     return calibration
 
 
+def _check_attention_interface(model: Any) -> None:
+    """Refuse a model whose attention layers compute attention in their own code (GPT-J, Falcon, Bloom in
+    transformers 5) rather than through transformers' attention interface, where ``attn_implementation="kvpack"``
+    plugs in: such a layer would treat the cache's packed handles as tensors.
+
+    A model class declares the interface (``_supports_attention_backend``), or its module looks the function up
+    in ``ALL_ATTENTION_FUNCTIONS`` (some that use it, such as StableLM, do not declare it).
+
+    Raises:
+        UnsupportedError: the model does not attend through the interface.
+    """
+    cls = type(model)
+    if getattr(cls, "_supports_attention_backend", False):
+        return
+    modules = {
+        sys.modules.get(c.__module__)
+        for c in cls.__mro__
+        if c.__module__.startswith(("transformers", "transformers_modules"))
+    }
+    if any(
+        m is not None and hasattr(m, "ALL_ATTENTION_FUNCTIONS") for m in modules if "modeling_utils" not in m.__name__
+    ):
+        return
+    raise UnsupportedError(
+        f"{cls.__name__} computes attention in its own code, not through transformers' attention interface, so "
+        "attn_implementation='kvpack' cannot read a kvpack cache there; kvpack's vLLM backend serves such models "
+        "(it attends in vLLM's layers; docs/vllm.md lists the attention options it refuses)",
+        [f"{cls.__name__}: no attention interface"],
+    )
+
+
 def cache_for(
     model: Any,
     format: str | KVFormat | LayerPlan = "int4",
@@ -568,6 +603,7 @@ def cache_for(
         CalibrationError: a static format without an artifact, an artifact for another model, or one the
             format would ignore.
     """
+    _check_attention_interface(model)
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     cache = KVPackCache(
