@@ -2,7 +2,7 @@
 
 Architectures: Llama (GQA 4:2, head_dim 64), Qwen2 (MQA 4:1, head_dim 64), Mistral (sliding window on every
 layer, head_dim 128), Gemma 3 (5 of 6 layers sliding, head_dim 256), and more families through ``AutoConfig``
-(:data:`FAMILIES`: QK-norm, fused QKV, partial rotary, learned positions, parallel attention, Phi-2's head_dim
+(``tests/_families.py``: QK-norm, fused QKV, partial rotary, learned positions, parallel attention, Phi-2's head_dim
 80, ...). Random models are chaotic (near-flat logits), so exact token agreement is checked with the
 full-precision passthrough format, and int8 with a bound on the logit difference under teacher forcing.
 """
@@ -33,6 +33,7 @@ from transformers import (
 
 import kvpack.hf
 import kvpack.kernels
+from _families import build_family
 from kvpack import kernels
 from kvpack.errors import ConfigError, PoolExhaustedError, UnsupportedError
 from kvpack.formats import parse_format
@@ -71,27 +72,18 @@ def _build(arch: str) -> torch.nn.Module:
         )
         assert cfg.layer_types.count("sliding_attention") == 5
         return Gemma3ForCausalLM(cfg).eval()
-    if arch in FAMILIES:
-        model_type, kw = FAMILIES[arch]
-        cfg = AutoConfig.for_model(model_type, **{**_COMMON, **kw})
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if arch in HF_FAMILIES:
+        return build_family(arch, _COMMON)
     raise ValueError(arch)
 
 
-# model_type and what differs from _COMMON: each family's own attention layout, read through its config
-FAMILIES = {
-    "qwen3": ("qwen3", {"head_dim": 128}),  # QK-norm
-    "phi3": ("phi3", {"hidden_size": 192, "pad_token_id": 0}),  # fused QKV projection, head_dim 48
-    "phi": ("phi", {"hidden_size": 320, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),  # head_dim 80
-    "gpt_neox": ("gpt_neox", {"num_key_value_heads": 4, "rotary_pct": 0.25}),  # partial rotary
-    "gpt2": ("gpt2", {"num_key_value_heads": None, "n_positions": 1024}),  # learned positions, no kv-head field
-    "stablelm": ("stablelm", {"partial_rotary_factor": 0.25}),
-    "cohere": ("cohere", {"use_qk_norm": False}),  # parallel attention and MLP
-    "olmo2": ("olmo2", {"num_key_value_heads": 4}),  # QK-norm over all heads
-    "starcoder2": ("starcoder2", {"sliding_window": None}),  # biases everywhere
-    "granite": ("granite", {"attention_multiplier": 0.05}),  # its own attention scale
-}
-ARCHS = ["llama", "qwen2", "mistral", "gemma3", *FAMILIES]
+# families through AutoConfig (tests/_families.py); the ones attending in their own code are refused below
+HF_FAMILIES = [
+    "qwen3", "phi3", "phi", "gpt_neox", "gpt2", "stablelm", "cohere", "olmo2", "starcoder2", "granite",
+]  # fmt: skip
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma3", *HF_FAMILIES]
 
 
 @pytest.fixture(autouse=True, scope="module")
