@@ -471,6 +471,9 @@ def test_default_formats_at_a_head_dim_that_g32_does_not_divide(capsys) -> None:
     assert set(rows) == set(PRESETS) and out["skipped"] == []
     assert rows["int4"]["bits_per_element"] == pytest.approx((4 + 32 / 64 + 4 + 32 / 20) / 2)
     assert rows["int4-g32"]["bits_per_element"] == pytest.approx(4 + 32 / 20)
+    main(["size", "--layers", "32", "--kv-heads", "32", "--head-dim", "80", "--context", "2k", "--format", "int4,int8"])
+    text = capsys.readouterr().out
+    assert "groups: int4: g32 does not divide head_dim 80, so each token's channels are 4 groups of 20" in text
 
 
 def test_default_formats_skip_what_the_head_dim_cannot_hold(capsys) -> None:

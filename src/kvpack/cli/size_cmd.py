@@ -7,6 +7,7 @@ import json
 import re
 
 from kvpack.errors import ConfigError, FormatError
+from kvpack.formats import PerGroup
 from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block
 
 EPILOG = """\
@@ -166,6 +167,19 @@ def render(p) -> str:
         out.append(
             f"sink: {', '.join(names)} also keep each sequence's first {what} (the attention sink) in fp16, "
             f"{nbytes:,} bytes per sequence (all layers; in the cache column)."
+        )
+    narrowed: dict[tuple[int, int], list[str]] = {}  # g<N> groups that do not divide head_dim (PerGroup.groups)
+    for r in p.rows:
+        fmts = getattr(r.format, "distinct_formats", None) or [r.format]  # a plan: each of its formats
+        for spec in (s for f in fmts for s in (f.key, f.value)):
+            g = spec.granularity
+            if isinstance(g, PerGroup) and m.head_dim % g.size:
+                names = narrowed.setdefault((g.size, g.width(m.head_dim)), [])
+                names += [] if r.format.name in names else [r.format.name]
+    for (size, width), names in narrowed.items():
+        out.append(
+            f"groups: {', '.join(names)}: g{size} does not divide head_dim {m.head_dim}, so each token's channels are "
+            f"{m.head_dim // width} groups of {width} (narrower, never wider; the extra scales are in the bits)."
         )
     if p.cache_budget_bytes is not None:
         out.append(
