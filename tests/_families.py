@@ -25,6 +25,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     # Falcon-7B's multi-query form: one kv head, whatever num_kv_heads says (vLLM and kvpack size read it so)
     "falcon": ("falcon", {"multi_query": True, "new_decoder_architecture": False, "alibi": False}),
+    "gptj": ("gptj", {"num_key_value_heads": None, "rotary_dim": 16}),  # attends in its own code in transformers
     "gemma2": ("gemma2", {"head_dim": 64}),  # logit soft-capping: refused by the vLLM backend
     "bloom": ("bloom", {"num_key_value_heads": None}),  # ALiBi: refused by the vLLM backend
 }

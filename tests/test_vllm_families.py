@@ -1,8 +1,8 @@
 """vLLM serving tiny random models of other families through the kvpack backend, each engine in a fresh process.
 
 What the backend sees of a family is the shape of its attention layers: head_dim (Llama 3's 128, Phi-2's 80),
-kv heads (Falcon-7B's multi-query form: one), the scale (Granite's own multiplier), biases, QK-norm, positions
-without RoPE (GPT-2), and the options it must refuse (Gemma 2's soft-capping, Bloom's ALiBi). Random models have
+kv heads (Falcon-7B's multi-query form: one), the scale (Granite's own multiplier), biases, positions without
+RoPE (GPT-2), interleaved rotary (GPT-J), and the options it must refuse (Gemma 2's soft-capping, Bloom's ALiBi). Random models have
 near-flat logits, so exact agreement with vLLM's own float32 cache is asserted for the passthrough format only;
 the quantized run must hold the capacity ``kvpack size --model`` predicts, finish every request and leave no tail.
 """
@@ -29,7 +29,10 @@ SEQS, KV_BYTES, NEW = 4, 24 * 2**20, 24
 ENGINE_THREADS = 1  # the suite runs two test files at once on two cores (see tests/test_vllm_engine.py)
 
 # family -> the quantized format it runs (int4 where its head_dim is not a multiple of the value groups' 32)
-SERVED = {"llama": "int8", "qwen2": "int8", "phi": "int4", "falcon": "int8", "gpt2": "int8", "granite": "int4"}
+SERVED = {
+    "llama": "int8", "qwen2": "int8", "phi": "int4", "falcon": "int8", "gpt2": "int8", "granite": "int4",
+    "gptj": "int8",  # GPT-J and Falcon, which kvpack's transformers cache refuses (their own attention code)
+}  # fmt: skip
 REFUSED = {"gemma2": "logit soft-capping", "bloom": "ALiBi"}
 
 
