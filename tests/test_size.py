@@ -357,6 +357,30 @@ def test_kv_heads_by_the_rules_vllm_follows() -> None:
         shape_from_config({**rw, "n_head_kv": "8"})
 
 
+def test_latent_attention_and_hybrid_models() -> None:
+    base = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+            "hidden_size": 2048}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"multi-head latent attention \(kv_lora_rank 512"):
+        shape_from_config({**base, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, "deepseek")
+    # Qwen3-Next's form: three linear-attention layers in four cache no keys and values
+    types = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    hybrid = shape_from_config({**base, "layer_types": types}, "next")
+    assert (hybrid.layers, hybrid.state_layers, hybrid.windows) == (2, 6, None)
+    dense = shape_from_config(base)
+    assert estimate(hybrid, 4096, 1).fp16_total_bytes * 4 == estimate(dense, 4096, 1).fp16_total_bytes
+    with pytest.raises(ConfigError, match=r"hybrid \(6 of its layers keep a state"):
+        estimate(hybrid, 4096, 1, vllm=(2**30, 8, 2))
+    mixed = shape_from_config({**base, "layer_types": ["mamba", "sliding_attention"] * 4, "sliding_window": 512})
+    assert (mixed.layers, mixed.windows) == (4, (512,) * 4)
+    # Llama 4's chunked layers keep at most a chunk
+    llama4 = shape_from_config({**base, "layer_types": ["chunked_attention"] * 3 + ["full_attention"] * 5,
+                                "attention_chunk_size": 8192})  # fmt: skip
+    assert llama4.windows == (8192,) * 3 + (None,) * 5
+    for bad, needle in ((["moe"] * 8, "layer type 'moe' is not one kvpack knows"), (["mamba"] * 8, "no layer caches")):
+        with pytest.raises(ConfigError, match=needle):
+            shape_from_config({**base, "layer_types": bad})
+
+
 GEMMA3_270M_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
 

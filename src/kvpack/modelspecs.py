@@ -13,7 +13,16 @@ from typing import Any
 
 from kvpack.errors import ConfigError
 
-__all__ = ["KNOWN_MODELS", "ModelShape", "config_windows", "estimate_params", "load_model_shape", "shape_from_config"]
+__all__ = [
+    "KNOWN_MODELS",
+    "ModelShape",
+    "config_kv_heads",
+    "config_layer_types",
+    "config_windows",
+    "estimate_params",
+    "load_model_shape",
+    "shape_from_config",
+]
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,8 @@ class ModelShape:
     ``params`` is the parameter count (``None`` when unknown); ``params_estimated`` says it was computed
     from the config's matrix sizes rather than taken from a published figure. ``windows``: each layer's sliding
     window in tokens (``None`` entries: full attention), or ``None`` when every layer attends its whole history.
+    ``layers`` counts the layers that cache keys and values; ``state_layers`` those of a hybrid model that keep a
+    fixed-size state instead (linear attention, Mamba), which a KV cache format does not touch.
     """
 
     name: str
@@ -33,6 +44,7 @@ class ModelShape:
     attention_heads: int | None = None
     params_estimated: bool = False
     windows: tuple[int | None, ...] | None = None
+    state_layers: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("layers", "kv_heads", "head_dim"):
@@ -171,6 +183,12 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the decoder here
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k == "tie_word_embeddings"}}
     check_config_sizes(cfg, name)
+    if cfg.get("kv_lora_rank") is not None:
+        raise ConfigError(
+            f"{name}: multi-head latent attention (kv_lora_rank {cfg['kv_lora_rank']}, DeepSeek's MLA) caches one "
+            "compressed latent per token and layer, not keys and values per kv head; kvpack's formats do not store "
+            "it, so there is no kvpack cache to size"
+        )
     layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     heads = _get(cfg, "num_attention_heads", "n_head", "n_heads")
     kv_heads = config_kv_heads(cfg) or heads  # null or absent: one per query head
@@ -190,16 +208,53 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
             f"{name}: config lacks {', '.join(missing)}; give the shape with --layers, --kv-heads and --head-dim"
         )
     params = estimate_params(cfg)
+    windows = config_windows(cfg, layers, name)
+    types = config_layer_types(cfg, layers, name)
+    kv_layers = [i for i, t in enumerate(types or ()) if t in KV_LAYER_TYPES] if types else list(range(layers))
+    if not kv_layers:
+        raise ConfigError(f"{name}: no layer caches keys and values (layer_types: {sorted(set(types or ()))})")
+    if windows is not None:
+        windows = tuple(windows[i] for i in kv_layers)
+        windows = windows if any(w is not None for w in windows) else None
     return ModelShape(
         name=name,
-        layers=layers,
+        layers=len(kv_layers),
         kv_heads=kv_heads,
         head_dim=head_dim,
         params=params,
         attention_heads=heads,
         params_estimated=params is not None,
-        windows=config_windows(cfg, layers, name),
+        windows=windows,
+        state_layers=layers - len(kv_layers),
     )
+
+
+# layer_types entries (transformers' names): layers that cache keys and values per token, and layers of hybrid
+# models that keep a fixed-size state instead
+KV_LAYER_TYPES = ("full_attention", "attention", "sliding_attention", "chunked_attention")
+STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "short_conv")
+
+
+def config_layer_types(cfg: dict[str, Any], layers: int, name: str = "config") -> list[str] | None:
+    """The config's ``layer_types`` (one entry per layer), or ``None`` when it gives none.
+
+    Raises:
+        ConfigError: a list of the wrong length, or a type that is neither in :data:`KV_LAYER_TYPES` nor in
+            :data:`STATE_LAYER_TYPES` (kvpack would not know whether it caches keys and values).
+    """
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(f"{name}: layer_types must list one type per layer ({layers}); fix the model's config.json")
+    unknown = sorted({str(t) for t in types if t not in KV_LAYER_TYPES + STATE_LAYER_TYPES})
+    if unknown:
+        raise ConfigError(
+            f"{name}: layer type {', '.join(map(repr, unknown))} is not one kvpack knows: "
+            f"{', '.join(KV_LAYER_TYPES)} cache keys and values, {', '.join(STATE_LAYER_TYPES)} keep a state; "
+            "give the attention layers' shape with --layers, --kv-heads and --head-dim"
+        )
+    return types
 
 
 def config_kv_heads(cfg: dict[str, Any]) -> int | None:
@@ -221,26 +276,26 @@ def config_kv_heads(cfg: dict[str, Any]) -> int | None:
 
 
 def config_windows(cfg: dict[str, Any], layers: int, name: str = "config") -> tuple[int | None, ...] | None:
-    """Each layer's sliding window from a config dict: ``layer_types`` (``"sliding_attention"`` layers take
-    ``sliding_window``, the others attend everything), else ``sliding_window`` for every layer unless
-    ``use_sliding_window`` is false; ``None`` when no layer has a window.
+    """Each layer's attention window from a config dict; ``None`` when no layer has one.
+
+    With ``layer_types``, ``"sliding_attention"`` layers take ``sliding_window`` and ``"chunked_attention"`` layers
+    (Llama 4) ``attention_chunk_size``, which bounds what they keep (a chunk attends at most that many tokens); the
+    others attend everything. Without it, every layer takes ``sliding_window`` unless ``use_sliding_window`` is false.
 
     Raises:
-        ConfigError: ``layer_types`` of the wrong length, or a ``sliding_window`` that is not a positive integer.
+        ConfigError: ``layer_types`` of the wrong length or with unknown types, or a window that is not a positive
+            integer.
     """
-    window = cfg.get("sliding_window")
-    if window is None or cfg.get("use_sliding_window") is False:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ConfigError(
-            f"{name}: sliding_window must be a positive integer, got {window!r}; fix the model's config.json"
-        )
-    types = cfg.get("layer_types")
+    window = None if cfg.get("use_sliding_window") is False else cfg.get("sliding_window")
+    chunk = cfg.get("attention_chunk_size")
+    for field, w in (("sliding_window", window), ("attention_chunk_size", chunk)):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ConfigError(f"{name}: {field} must be a positive integer, got {w!r}; fix the model's config.json")
+    types = config_layer_types(cfg, layers, name)
     if types is None:
-        return (window,) * layers
-    if not isinstance(types, list) or len(types) != layers:
-        raise ConfigError(f"{name}: layer_types must list one type per layer ({layers}); fix the model's config.json")
-    ws = tuple(window if t == "sliding_attention" else None for t in types)
+        return None if window is None else (window,) * layers
+    by_type = {"sliding_attention": window, "chunked_attention": chunk}
+    ws = tuple(by_type.get(t) for t in types)
     return ws if any(w is not None for w in ws) else None
 
 

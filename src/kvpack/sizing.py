@@ -220,6 +220,7 @@ class SizeEstimate:
         return {
             "model": m.name,
             "layers": m.layers,
+            "state_layers": m.state_layers,
             "kv_heads": m.kv_heads,
             "head_dim": m.head_dim,
             "params": m.params,
@@ -297,6 +298,12 @@ def estimate(
             "give --weights-gib (or --model with a known model) together with --gpu-mem"
         )
     h, d, n_layers = model.kv_heads, model.head_dim, model.layers
+    if vllm is not None and model.state_layers:
+        raise ConfigError(
+            f"model {model.name!r} is a hybrid ({model.state_layers} of its layers keep a state, not keys and values): "
+            "vLLM's hybrid cache manager pages both kinds together, which kvpack size does not predict; drop "
+            "--vllm-space (the kvpack cache of its attention layers is sized without it)"
+        )
 
     fp16 = PRESETS["fp16"]
     fp16_total = batch * fp16.bytes_for_tokens(context, h, d, n_layers)

@@ -122,7 +122,8 @@ def render(p) -> str:
     m = p.model
     params = f", {m.params / 1e9:.3g}B params{' (estimated)' if m.params_estimated else ''}" if m.params else ""
     out = [
-        f"{m.name}: {m.layers} layers, {m.kv_heads} kv heads, head_dim {m.head_dim}{params}",
+        f"{m.name}: {m.layers} {'attention ' if m.state_layers else ''}layers, {m.kv_heads} kv heads, head_dim "
+        f"{m.head_dim}{params}",
         f"context {p.context:,} tokens x batch {p.batch}",
         "",
     ]
@@ -167,6 +168,11 @@ def render(p) -> str:
         out.append(
             f"sink: {', '.join(names)} also keep each sequence's first {what} (the attention sink) in fp16, "
             f"{nbytes:,} bytes per sequence (all layers; in the cache column)."
+        )
+    if m.state_layers:
+        out.append(
+            f"hybrid: {m.state_layers} more layers keep a fixed-size state (linear attention, Mamba), not keys and "
+            "values: no format changes them, and they are not in these sizes."
         )
     narrowed: dict[tuple[int, int], list[str]] = {}  # g<N> groups that do not divide head_dim (PerGroup.groups)
     for r in p.rows:
