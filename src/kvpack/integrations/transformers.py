@@ -550,14 +550,12 @@ def _check_attention_interface(model: Any) -> None:
     cls = type(model)
     if getattr(cls, "_supports_attention_backend", False):
         return
-    modules = {
-        sys.modules.get(c.__module__)
-        for c in cls.__mro__
-        if c.__module__.startswith(("transformers", "transformers_modules"))
-    }
-    if any(
-        m is not None and hasattr(m, "ALL_ATTENTION_FUNCTIONS") for m in modules if "modeling_utils" not in m.__name__
-    ):
+    # the modules of the model's own classes (a transformers model's, remote code's, a user's), not those of the
+    # shared bases (PreTrainedModel, GenerationMixin, torch's Module), which say nothing about this model
+    names = {c.__module__ for c in cls.__mro__}
+    own = [n for n in names if n.startswith(("transformers.models.", "transformers_modules.")) or
+           not n.startswith(("transformers", "torch", "builtins"))]  # fmt: skip
+    if any(hasattr(sys.modules.get(n), "ALL_ATTENTION_FUNCTIONS") for n in own):
         return
     raise UnsupportedError(
         f"{cls.__name__} computes attention in its own code, not through transformers' attention interface, so "
