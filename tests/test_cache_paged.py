@@ -321,8 +321,10 @@ def test_pool_exhausted_before_anything_changes(busy_cache):
 def test_bad_construction():
     with pytest.raises(FormatError):
         PagedKVCache("int9", 1, H, D, 4)
-    with pytest.raises(FormatError, match="group size"):
-        PagedKVCache("int4", 1, H, 48, 4)
+    with pytest.raises(FormatError, match="leave nothing to quantize"):
+        PagedKVCache("int4-o4", 1, H, 4, 4)
+    with pytest.raises(FormatError, match="group size 32"):  # another system's layout keeps its groups exactly
+        PagedKVCache("llamacpp-q4_0", 1, H, 48, 4)
     with pytest.raises(ConfigError, match="tail_dtype"):
         PagedKVCache("int8", 1, H, D, 4, tail_dtype=torch.int8)
     with pytest.raises(ConfigError, match="one entry per layer"):

@@ -180,9 +180,14 @@ class PerGroup(Granularity):
     are narrower, never wider, so a format keeps at least the precision its name promises and pays the extra
     scales in its bytes (``g32`` at Phi-2's head_dim 80: four groups of 20; at 120: five of 24).
     :meth:`width` gives the channels per group.
+
+    ``exact=True`` (other systems' layouts, :data:`PEER_PRESETS`): groups exactly ``size`` wide, as the system the
+    layout stands for requires; a head_dim that ``size`` does not divide is invalid. It never changes a valid
+    format's bytes, so it takes no part in equality.
     """
 
     size: int = 32
+    exact: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
@@ -195,6 +200,14 @@ class PerGroup(Granularity):
         least = -(-head_dim // self.size)
         whole = [n for n in range(least, head_dim + 1) if head_dim % n == 0]
         return next((n for n in whole if (head_dim // n) % 4 == 0), whole[0])
+
+    def reasons_invalid(self, head_dim: int) -> list[str]:
+        if self.exact and head_dim % self.size:
+            return [
+                f"head_dim {head_dim} is not divisible by the group size {self.size}, which this layout keeps exactly "
+                "(the system it stands for requires it)"
+            ]
+        return []
 
     def width(self, head_dim: int) -> int:
         """Channels per group at ``head_dim``: ``size`` where it divides ``head_dim``, else the widest narrower fit."""
@@ -669,9 +682,9 @@ _FP32 = ScaleDType.FP32
 PEER_PRESETS: dict[str, KVFormat] = {
     # GGML_TYPE_Q8_0 for the K and V cache (--cache-type-k/-v q8_0): blocks of 32 along head_dim, 32 int8 codes
     # and one fp16 scale (34 bytes per 32 elements): 8.5 bits
-    "llamacpp-q8_0": _peer("llamacpp-q8_0", QuantSpec(DType.INT8, PerGroup(32), True, _FP16)),
+    "llamacpp-q8_0": _peer("llamacpp-q8_0", QuantSpec(DType.INT8, PerGroup(32, exact=True), True, _FP16)),
     # GGML_TYPE_Q4_0: 32 4-bit codes and one fp16 scale per 32 elements (18 bytes): 4.5 bits
-    "llamacpp-q4_0": _peer("llamacpp-q4_0", QuantSpec(DType.INT4, PerGroup(32), True, _FP16)),
+    "llamacpp-q4_0": _peer("llamacpp-q4_0", QuantSpec(DType.INT4, PerGroup(32, exact=True), True, _FP16)),
     # kv_cache_dtype="int8_per_token_head": one fp32 scale per token and kv head (8.25 bits at head_dim 128)
     "vllm-int8": _peer("vllm-int8", QuantSpec(DType.INT8, PerToken(), True, _FP32)),
     # kv_cache_dtype="fp8_per_token_head": e4m3, one fp32 scale per token and kv head
@@ -689,8 +702,8 @@ PEER_PRESETS: dict[str, KVFormat] = {
     "vllm-fp8-static": _peer("vllm-fp8-static", QuantSpec(DType.FP8_E4M3, PerTensor(), True, _FP32, static=True)),
     # transformers' QuantizedCache(backend="quanto", nbits=4): per-token groups of 64 channels, scale and shift
     # in the model dtype (fp16 here), a residual of 128 full-precision tokens
-    "quanto-int4": _peer("quanto-int4", QuantSpec(DType.INT4, PerGroup(64), False, _FP16), block=128),
-    "quanto-int2": _peer("quanto-int2", QuantSpec(DType.INT2, PerGroup(64), False, _FP16), block=128),
+    "quanto-int4": _peer("quanto-int4", QuantSpec(DType.INT4, PerGroup(64, exact=True), False, _FP16), block=128),
+    "quanto-int2": _peer("quanto-int2", QuantSpec(DType.INT2, PerGroup(64, exact=True), False, _FP16), block=128),
 }
 
 
