@@ -12,7 +12,8 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
-     "warmup": true, "warmup_requests": 1, "detokenize": true, "engine_kwargs": {...more vllm.LLM arguments}}
+     "warmup": true, "warmup_requests": 1, "detokenize": true, "n": 1, "prompt_logprobs": false,
+     "engine_kwargs": {...more vllm.LLM arguments}}
 
 ``warmup`` runs ``warmup_requests`` (default 1) requests first, outside the counts and the timing (kernel
 compilation, first calls).
@@ -26,6 +27,9 @@ own cache under kvpack's name.
 The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized; empty without
 ``detokenize``), ``cached_tokens`` (prompt tokens served from the prefix cache, per prompt), ``num_blocks``,
 ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
+``completions`` (with ``"n": N`` > 1 in the job: the N sampled completions per prompt, unseeded: vLLM's CPU
+sampler refuses a seed there), ``prompt_logprobs`` (with ``"prompt_logprobs": true``: each prompt token's
+log-probability given the tokens before it, as the prefill computed it),
 ``tails_left`` (kvpack tails still held once drained, summed over the workers: after the step that tells the
 workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null
 for vLLM's cache),
@@ -148,8 +152,10 @@ def _main() -> None:
     _instrument(core.scheduler, stats)
     num_blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
     sp = SamplingParams(
-        temperature=job.get("temperature", 0.0), max_tokens=job.get("max_tokens", 64), seed=job.get("seed", 0),
+        temperature=job.get("temperature", 0.0), max_tokens=job.get("max_tokens", 64), n=job.get("n", 1),
+        seed=job.get("seed", 0) if job.get("n", 1) == 1 else None,  # vLLM's CPU sampler takes no seed with n > 1
         ignore_eos=job.get("ignore_eos", True), detokenize=job.get("detokenize", True),
+        prompt_logprobs=0 if job.get("prompt_logprobs") else None,
     )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     t0 = time.perf_counter()
@@ -173,6 +179,12 @@ def _main() -> None:
         "tails_left": tails_left,
         **stats,
     }
+    if job.get("n", 1) > 1:
+        result["completions"] = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    if job.get("prompt_logprobs"):  # each prompt token's log-probability given the tokens before it
+        result["prompt_logprobs"] = [
+            [lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in outs
+        ]
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     if workers > 1:  # worker processes outlive an os._exit of this one, spinning
