@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -371,10 +372,22 @@ def test_other_attention_implementation_is_refused(models):
     ],
 )
 def test_models_that_attend_in_their_own_code_are_refused(model_type, kw):
-    """GPT-J, Falcon and Bloom compute attention in their modeling code, not through transformers' attention
-    interface: their layers would use the cache's packed handles as tensors."""
+    """GPT-J, Falcon and Bloom computed attention in their modeling code in transformers 5.19, not through the
+    attention interface, so their layers would use the cache's packed handles as tensors: refused. A later
+    transformers moves a family onto the interface (GPT-J in 5.24): then it is served, exactly."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_COMMON, **kw})).eval()
+    own_code = not hasattr(sys.modules[type(model).__module__], "ALL_ATTENTION_FUNCTIONS")
+    if model_type in ("falcon", "bloom") or transformers.__version__.startswith("5.19."):
+        assert own_code  # the premise, on the pinned transformers
+    if not own_code:  # served: the passthrough format gives the dense cache's tokens
+        ids = torch.randint(0, VOCAB, (1, 40))
+        ref = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        cache = kvpack.hf.cache_for(model, EXACT)
+        assert torch.equal(
+            model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, **{kt.cache_kwarg(model): cache}), ref
+        )
+        return
     with pytest.raises(UnsupportedError, match=f"{type(model).__name__} computes attention in its own code"):
         kvpack.hf.cache_for(model, "int8")
     assert model.config._attn_implementation != "kvpack"  # refused before the model was switched

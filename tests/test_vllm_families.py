@@ -1,10 +1,10 @@
 """vLLM serving tiny random models of other families through the kvpack backend, each engine in a fresh process.
 
-What the backend sees of a family is the shape of its attention layers: head_dim (Llama 3's 128, Phi-2's 80),
-kv heads (Falcon-7B's multi-query form: one), the scale (Granite's own multiplier), biases, positions without
-RoPE (GPT-2), interleaved rotary (GPT-J), and the options it must refuse (Gemma 2's soft-capping, Bloom's ALiBi). Random models have
-near-flat logits, so exact agreement with vLLM's own float32 cache is asserted for the passthrough format only;
-the quantized run must hold the capacity ``kvpack size --model`` predicts, finish every request and leave no tail.
+What the backend sees of a family is the shape of its attention layers: head_dim (Llama 3's 128, Phi-2's 80), kv
+heads (Falcon-7B's multi-query form: one), the scale (Granite's own multiplier), and the options it must refuse
+(Gemma 2's soft-capping, Bloom's ALiBi). Random models have near-flat logits, so exact agreement with vLLM's own
+float32 cache is asserted for the passthrough format; the quantized run must keep the prompt tokens'
+log-probabilities close, hold the capacity ``kvpack size --model`` predicts, finish every request and leave no tail.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden
 SEQS, KV_BYTES, NEW = 4, 24 * 2**20, 24
 ENGINE_THREADS = 1  # the suite runs two test files at once on two cores (see tests/test_vllm_engine.py)
 
-# family -> the quantized format it runs (int4 where its head_dim is not a multiple of the value groups' 32)
-SERVED = {
-    "llama": "int8", "qwen2": "int8", "phi": "int4", "falcon": "int8", "gpt2": "int8", "granite": "int4",
-    "gptj": "int8",  # GPT-J and Falcon, which kvpack's transformers cache refuses (their own attention code)
-}  # fmt: skip
+# family -> the quantized format it runs (int4 where its head_dim is not a multiple of the value groups' 32): the
+# families whose attention layers differ in what the backend reads (head_dim, kv heads, scale), and GPT-J, which
+# kvpack's transformers cache refuses (its own attention code there); families that differ only before attention
+# (biases, positions, rotary layout) change nothing the backend sees, and every engine here costs seconds
+SERVED = {"llama": "int8", "phi": "int4", "falcon": "int8", "granite": "int4", "gptj": "int8"}
+EXACT = ("llama", "phi", "falcon", "granite")  # these also run the passthrough format
 REFUSED = {"gemma2": "logit soft-capping", "bloom": "ALiBi"}
 QUANTIZED_GAP = {"int8": 0.05, "int4": 0.5}  # log-probability bounds (measured: int8 <= 0.006, int4 <= 0.07)
 
@@ -52,7 +53,7 @@ def _job(path: str) -> dict:
     return {
         "model": path, "prompts": prompts, "max_tokens": NEW, "kv_bytes": KV_BYTES, "max_num_seqs": SEQS,
         "max_model_len": 512, "max_num_batched_tokens": 128, "threads": ENGINE_THREADS, "detokenize": False,
-        "prompt_logprobs": True, "engine_kwargs": {"skip_tokenizer_init": True},
+        "prompt_logprobs": True, "warmup": False, "engine_kwargs": {"skip_tokenizer_init": True},
     }  # fmt: skip
 
 
@@ -73,10 +74,11 @@ def _size_predicts(path: str, fmt: str) -> int:
 def test_family_is_served(folders, family):
     job = _job(folders[family])
     stock = run_engine({**job, "format": None})
-    exact = run_engine({**job, "format": "kv=fp32"})
-    assert exact["outputs"] == stock["outputs"]  # the pages, strides, scale and heads as vLLM's own cache reads them
-    assert _logprob_gap(exact, stock) < 1e-4
-    assert exact["tails_left"] == 0
+    if family in EXACT:
+        exact = run_engine({**job, "format": "kv=fp32"})
+        assert exact["outputs"] == stock["outputs"]  # pages, strides, scale and heads read as vLLM's own cache does
+        assert _logprob_gap(exact, stock) < 1e-4
+        assert exact["tails_left"] == 0
     fmt = SERVED[family]
     res = run_engine({**job, "format": fmt})
     assert res["kv_capacity_tokens"] == _size_predicts(folders[family], fmt)
