@@ -401,6 +401,21 @@ def test_sliding_windows_from_the_config() -> None:
         ModelShape("m", 2, 1, 64, windows=(None,))
 
 
+def test_size_says_what_the_tails_take_and_when_they_cost_more_than_they_buy(capsys) -> None:
+    """The embedded model's shape in bfloat16 with 96 MiB for 32 requests (measured through vLLM: int8 holds 4,224
+    tokens, vLLM's own cache 4,352): the tails take 45 MiB, and int8 ends below vLLM's own cache."""
+    args = ["size", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--context", "512", "--format",
+            "int8,int4", "--vllm-space", "96MiB", "--max-num-seqs", "32", "--dtype", "bfloat16"]  # fmt: skip
+    main(args)
+    text = capsys.readouterr().out
+    assert "tails: int8, int4: 45.0 MiB of the 96.0 MiB (47%) for max_num_seqs=32 requests." in text
+    assert "fewer tokens than vLLM's own cache: int8:" in text  # int4 holds more: not named
+    assert main([*args[:-5], "192MiB", "--max-num-seqs", "32", "--dtype", "bfloat16"]) == 0
+    text = capsys.readouterr().out
+    assert "tails: int8, int4: 45.0 MiB of the 192.0 MiB (23%)" in text
+    assert "fewer tokens than vLLM's own cache" not in text
+
+
 def test_vllm_groups_a_sliding_window_model_by_attention_type() -> None:
     """vLLM's rule (``_get_kv_cache_groups_uniform_page_size``): groups as large as the rarest attention type, or
     as the commonest when no type has 1.5x the rarest's layers."""

@@ -8,7 +8,7 @@ import re
 
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import PerGroup
-from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block
+from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block, vllm_tail_bytes
 
 EPILOG = """\
 sizes accept k = 1024 and m = 1024*1024: --context 8k, 128k, 1m.
@@ -204,6 +204,22 @@ def render(p) -> str:
             f"pages of the format's blocks with the sink rows in every page, after full-precision tails for "
             f"max_num_seqs={v.seqs} requests; vLLM's own cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
         )
+        by_tails: dict[int, list[str]] = {}  # the tails' share of the space, and where they cost more than they buy
+        for r in p.rows:
+            base = getattr(r.format, "base", r.format)  # a plan's tails are its base format's
+            nbytes = vllm_tail_bytes(base, m.layers, m.kv_heads, m.head_dim, v.act_bytes, v.seqs)
+            by_tails.setdefault(nbytes, []).append(r.format.name)
+        for nbytes, names in by_tails.items():
+            out.append(
+                f"tails: {', '.join(names)}: {nbytes / 2**20:,.1f} MiB of the {v.space_bytes / 2**20:,.1f} MiB "
+                f"({nbytes / v.space_bytes:.0%}) for max_num_seqs={v.seqs} requests."
+            )
+        short = [r.format.name for r in p.rows if r.vllm_tokens is not None and r.vllm_tokens <= v.default_tokens]
+        if short:
+            out.append(
+                f"fewer tokens than vLLM's own cache: {', '.join(short)}: the tails cost more than the format saves in "
+                "this space; give more space, or a lower --max-num-seqs if fewer requests run at once."
+            )
         refused = [r for r in p.rows if r.vllm_refused]
         if refused:
             out.append(f"refused ({', '.join(r.format.name for r in refused)}): {refused[0].vllm_refused}.")
