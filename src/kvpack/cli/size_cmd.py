@@ -214,7 +214,7 @@ def render(p) -> str:
                 f"tails: {', '.join(names)}: {nbytes / 2**20:,.1f} MiB of the {v.space_bytes / 2**20:,.1f} MiB "
                 f"({nbytes / v.space_bytes:.0%}) for max_num_seqs={v.seqs} requests."
             )
-        short = [r.format.name for r in p.rows if r.vllm_tokens is not None and r.vllm_tokens <= v.default_tokens]
+        short = [r.format.name for r in p.rows if r.vllm_tokens is not None and r.vllm_tokens < v.default_tokens]
         if short:
             out.append(
                 f"fewer tokens than vLLM's own cache: {', '.join(short)}: the tails cost more than the format saves in "
