@@ -410,6 +410,8 @@ def test_size_says_what_the_tails_take_and_when_they_cost_more_than_they_buy(cap
     text = capsys.readouterr().out
     assert "tails: int8, int4: 45.0 MiB of the 96.0 MiB (47%) for max_num_seqs=32 requests." in text
     assert "fewer tokens than vLLM's own cache: int8:" in text  # int4 holds more: not named
+    rows = run_json(capsys, *args[1:])["formats"]
+    assert [r["vllm_tail_bytes"] for r in rows] == [32 * 30 * 2 * 64 * 3 * 64 * 2] * 2  # K and V, one block each
     assert main([*args[:-5], "192MiB", "--max-num-seqs", "32", "--dtype", "bfloat16"]) == 0
     text = capsys.readouterr().out
     assert "tails: int8, int4: 45.0 MiB of the 192.0 MiB (23%)" in text

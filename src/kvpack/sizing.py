@@ -164,6 +164,7 @@ class FormatRow:
     sink_bytes_per_sequence: int = 0  # the fp16 sink buffer of a format with sink > 0 (in bytes_per_sequence)
     vllm_tokens: int | None = None  # tokens vLLM holds with the kvpack backend in the given KV space
     vllm_refused: str | None = None  # why the kvpack vLLM backend does not serve this format on this model
+    vllm_tail_bytes: int | None = None  # of the KV space, what the backend's full-precision tails take
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -188,6 +189,8 @@ class FormatRow:
             d["vllm_tokens"] = self.vllm_tokens
         if self.vllm_refused is not None:
             d["vllm_refused"] = self.vllm_refused
+        if self.vllm_tail_bytes is not None:
+            d["vllm_tail_bytes"] = self.vllm_tail_bytes
         return d
 
 
@@ -324,6 +327,7 @@ def estimate(
                 row.vllm_refused = vllm_refusal(fmt, model.windows)
             if vllm is not None and row.vllm_refused is None:
                 row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
+                row.vllm_tail_bytes = vllm_tail_bytes(fmt.base, n_layers, h, d, vllm[2], vllm[1])
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -343,6 +347,7 @@ def estimate(
             row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
         if vllm is not None:
             row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
+            row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], vllm[1])
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm

@@ -8,7 +8,7 @@ import re
 
 from kvpack.errors import ConfigError, FormatError
 from kvpack.formats import PerGroup
-from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block, vllm_tail_bytes
+from kvpack.sizing import MODEL_DTYPE_BYTES, vllm_layers_per_block
 
 EPILOG = """\
 sizes accept k = 1024 and m = 1024*1024: --context 8k, 128k, 1m.
@@ -206,9 +206,8 @@ def render(p) -> str:
         )
         by_tails: dict[int, list[str]] = {}  # the tails' share of the space, and where they cost more than they buy
         for r in p.rows:
-            base = getattr(r.format, "base", r.format)  # a plan's tails are its base format's
-            nbytes = vllm_tail_bytes(base, m.layers, m.kv_heads, m.head_dim, v.act_bytes, v.seqs)
-            by_tails.setdefault(nbytes, []).append(r.format.name)
+            if r.vllm_tail_bytes is not None:
+                by_tails.setdefault(r.vllm_tail_bytes, []).append(r.format.name)
         for nbytes, names in by_tails.items():
             out.append(
                 f"tails: {', '.join(names)}: {nbytes / 2**20:,.1f} MiB of the {v.space_bytes / 2**20:,.1f} MiB "
