@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -170,6 +171,15 @@ class PerToken(Granularity):
         return "token"
 
 
+@functools.cache  # scale shapes are asked for on every seal of a step: the search runs once per shape
+def _fit_groups(head_dim: int, size: int) -> int:
+    """The fewest equal groups of at most ``size`` channels along ``head_dim``, whole 4-channel runs if any fit."""
+    if head_dim % size == 0:
+        return head_dim // size
+    whole = [n for n in range(-(-head_dim // size), head_dim + 1) if head_dim % n == 0]
+    return next((n for n in whole if (head_dim // n) % 4 == 0), whole[0])
+
+
 @dataclass(frozen=True)
 class PerGroup(Granularity):
     """One scale per kv head, token and group of at most ``size`` consecutive channels.
@@ -195,11 +205,7 @@ class PerGroup(Granularity):
 
     def groups(self, head_dim: int) -> int:
         """Number of groups along ``head_dim`` (``head_dim`` > 0)."""
-        if head_dim % self.size == 0:
-            return head_dim // self.size
-        least = -(-head_dim // self.size)
-        whole = [n for n in range(least, head_dim + 1) if head_dim % n == 0]
-        return next((n for n in whole if (head_dim // n) % 4 == 0), whole[0])
+        return _fit_groups(head_dim, self.size)
 
     def reasons_invalid(self, head_dim: int) -> list[str]:
         if self.exact and head_dim % self.size:

@@ -210,9 +210,9 @@ def shape_from_config(cfg: dict[str, Any], name: str = "config") -> ModelShape:
     params = estimate_params(cfg)
     windows = config_windows(cfg, layers, name)
     types = config_layer_types(cfg, layers, name)
-    kv_layers = [i for i, t in enumerate(types or ()) if t in KV_LAYER_TYPES] if types else list(range(layers))
+    kv_layers = [i for i, t in enumerate(types) if t in KV_LAYER_TYPES] if types else list(range(layers))
     if not kv_layers:
-        raise ConfigError(f"{name}: no layer caches keys and values (layer_types: {sorted(set(types or ()))})")
+        raise ConfigError(f"{name}: no layer caches keys and values (layer_types: {sorted(set(types))})")
     if windows is not None:
         windows = tuple(windows[i] for i in kv_layers)
         windows = windows if any(w is not None for w in windows) else None

@@ -181,7 +181,8 @@ def render(p) -> str:
             g = spec.granularity
             if isinstance(g, PerGroup) and m.head_dim % g.size:
                 names = narrowed.setdefault((g.size, g.width(m.head_dim)), [])
-                names += [] if r.format.name in names else [r.format.name]
+                if r.format.name not in names:
+                    names.append(r.format.name)
     for (size, width), names in narrowed.items():
         out.append(
             f"groups: {', '.join(names)}: g{size} does not divide head_dim {m.head_dim}, so each token's channels are "
