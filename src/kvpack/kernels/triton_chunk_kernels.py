@@ -18,7 +18,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvpack.kernels.triton_kernels import INTERPRETED, _key_scores, _key_zeros, _softmax_step, _tail_part, _value_part
+from kvpack.kernels.triton_kernels import (
+    INTERPRETED,
+    _chan_load,
+    _key_scores,
+    _key_zeros,
+    _softmax_step,
+    _store_cols,
+    _tail_part,
+    _value_part,
+)
 
 __all__ = ["INTERPRETED", "paged_chunk_kernel"]
 
@@ -33,24 +42,25 @@ def _attend_full_rows(
     valid,  # [BLOCK_M, R] which query row attends which key row (loaded, causal, inside its window)
     qd0, qd1, qd2, qd3, m_i, l_i, acc0, acc1, acc2, acc3,
     K_PER: tl.constexpr, V_PER: tl.constexpr, DOT: tl.constexpr,
+    DK: tl.constexpr, K_DP: tl.constexpr, DV: tl.constexpr, V_DP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step of every query row over ``R`` full-precision rows, split into parts like the
     payload (the decode kernel's ``_attend_rows`` with a mask per query row)."""
-    s = tl.dot(qd0, tl.trans(_tail_part(kr, offs_pk, load, 0, K_PER, DOT)))
+    s = tl.dot(qd0, tl.trans(_tail_part(kr, offs_pk, load, 0, K_PER, DOT, DK, K_DP)))
     if K_PER >= 2:
-        s += tl.dot(qd1, tl.trans(_tail_part(kr, offs_pk, load, 1, K_PER, DOT)))
+        s += tl.dot(qd1, tl.trans(_tail_part(kr, offs_pk, load, 1, K_PER, DOT, DK, K_DP)))
     if K_PER >= 4:
-        s += tl.dot(qd2, tl.trans(_tail_part(kr, offs_pk, load, 2, K_PER, DOT)))
-        s += tl.dot(qd3, tl.trans(_tail_part(kr, offs_pk, load, 3, K_PER, DOT)))
+        s += tl.dot(qd2, tl.trans(_tail_part(kr, offs_pk, load, 2, K_PER, DOT, DK, K_DP)))
+        s += tl.dot(qd3, tl.trans(_tail_part(kr, offs_pk, load, 3, K_PER, DOT, DK, K_DP)))
     s = tl.where(valid, s, float("-inf"))
     m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
     pd = p.to(DOT)
-    acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 0, V_PER, DOT))
+    acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 0, V_PER, DOT, DV, V_DP))
     if V_PER >= 2:
-        acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 1, V_PER, DOT))
+        acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 1, V_PER, DOT, DV, V_DP))
     if V_PER >= 4:
-        acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 2, V_PER, DOT))
-        acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 3, V_PER, DOT))
+        acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 2, V_PER, DOT, DV, V_DP))
+        acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 3, V_PER, DOT, DV, V_DP))
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -62,17 +72,21 @@ def _in_range(kpos, lo, pos):
 
 
 @triton.jit
-def _load_q_part(q_rows, offs_p, r_mask, qk_scale, J: tl.constexpr, PER: tl.constexpr):
-    """Channels ``i * PER + J`` of the tile's query rows ``[BLOCK_M, D // PER]``, float32, times ``qk_scale``."""
-    x = tl.load(q_rows[:, None] + (offs_p * PER + J)[None, :], mask=r_mask[:, None], other=0.0)
+def _load_q_part(q_rows, offs_p, r_mask, qk_scale, J: tl.constexpr, PER: tl.constexpr, NC: tl.constexpr):
+    """Channels ``i * PER + J`` of the tile's query rows ``[BLOCK_M, DP]``, float32, times ``qk_scale`` (columns
+    ``i >= NC`` pad the part to a power of two and read 0)."""
+    mask = r_mask[:, None] & (offs_p < NC)[None, :]
+    x = tl.load(q_rows[:, None] + (offs_p * PER + J)[None, :], mask=mask, other=0.0)
     return x.to(tl.float32) * qk_scale
 
 
 @triton.jit
-def _store_o_part(o_rows, offs_p, r_mask, acc, inv, J: tl.constexpr, PER: tl.constexpr):
-    """Store channels ``i * PER + J`` of the normalized output rows (padding rows of the tile are not stored)."""
+def _store_o_part(o_rows, offs_p, r_mask, acc, inv, J: tl.constexpr, PER: tl.constexpr, NC: tl.constexpr,
+                  DP: tl.constexpr):  # fmt: skip
+    """Store channels ``i * PER + J`` of the normalized output rows (padding rows of the tile and padding
+    columns are not stored)."""
     ety = o_rows.dtype.element_ty
-    tl.store(o_rows[:, None] + (offs_p * PER + J)[None, :], (acc * inv[:, None]).to(ety), mask=r_mask[:, None])
+    _store_cols(o_rows[:, None] + (offs_p * PER + J)[None, :], (acc * inv[:, None]).to(ety), offs_p, r_mask, NC, DP)
 
 
 @triton.jit
@@ -102,14 +116,14 @@ def paged_chunk_kernel(
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
-    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, O_DT: tl.constexpr,
+    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, O_DT: tl.constexpr, K_DP: tl.constexpr, V_DP: tl.constexpr,
     DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
     K_GF16: tl.constexpr, V_GF16: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_m = tl.program_id(2)
-    DK: tl.constexpr = HEAD_DIM // K_PER
+    DK: tl.constexpr = HEAD_DIM // K_PER  # real columns of a key part; K_DP of them are loaded (padding reads 0)
     DV: tl.constexpr = HEAD_DIM // V_PER
 
     seq_len = tl.load(seq_ptr + pid_b)
@@ -142,21 +156,21 @@ def paged_chunk_kernel(
     mid_hi = tl.maximum(tl.minimum((p_first + 1) // BLOCK_SIZE, last), mid_lo)
 
     offs_t = tl.arange(0, BLOCK_SIZE)
-    offs_pk = tl.arange(0, DK)  # payload byte (or element) index of a key row
-    offs_pv = tl.arange(0, DV)
+    offs_pk = tl.arange(0, K_DP)  # payload byte (or element) index of a key row
+    offs_pv = tl.arange(0, V_DP)
 
     # The tile's query rows, split like the key payload: part j holds channels c = i * K_PER + j.
     # int64 offsets: a long chunk at a wide batch passes 2**31 elements (16 x 32k queries x 32 heads x 128)
     q_rows = q_ptr + pid_b.to(tl.int64) * sq_b + t_idx.to(tl.int64) * sq_t + heads * sq_h  # [BLOCK_M] pointers
-    q0 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 0, K_PER)
+    q0 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 0, K_PER, DK)
     q1 = q0
     q2 = q0
     q3 = q0
     if K_PER >= 2:
-        q1 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 1, K_PER)
+        q1 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 1, K_PER, DK)
     if K_PER >= 4:
-        q2 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 2, K_PER)
-        q3 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 3, K_PER)
+        q2 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 2, K_PER, DK)
+        q3 = _load_q_part(q_rows, offs_pk, r_mask, qk_scale, 3, K_PER, DK)
     qd0 = q0.to(K_CD)  # sealed keys multiply in K_CD, the full-precision sink and tail rows in DOT
     qd1 = q1.to(K_CD)
     qd2 = q2.to(K_CD)
@@ -164,10 +178,10 @@ def paged_chunk_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, DV], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, DV], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, DV], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, V_DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, V_DP], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, V_DP], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, V_DP], tl.float32)
 
     # ---- the full-precision sink rows (positions [0, n_sink)), first: before the block loop nothing else is live
     if HAS_SINK:
@@ -178,27 +192,28 @@ def paged_chunk_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_full_rows(
             kr, vr, offs_pk, offs_pv, (offs_r < n_sink)[:, None], sink_valid,
             q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
-            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
+            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT, DK, K_DP, DV, V_DP)  # fmt: skip
 
     # fmt: off
     for i in range(first, last):
         blk = tl.load(bt_ptr + pid_b * sbt_b + i).to(tl.int64)
         # ---- keys: scores [BLOCK_M, BLOCK_SIZE] of this block, scales folded where the granularity allows
-        raw = tl.load(kd_ptr + blk * skd_n + pid_h * skd_h + offs_t[:, None] * skd_t + offs_pk[None, :])
+        raw = _chan_load(kd_ptr + blk * skd_n + pid_h * skd_h + offs_t[:, None] * skd_t + offs_pk[None, :],
+                         offs_pk * K_PER, DK, K_DP, K_PER)
         sb = ks_ptr + blk * sks_n + pid_h * sks_h
         zb = kz_ptr + blk * skz_n + pid_h * skz_h
         s = _key_scores(q0, qd0, raw, sb, zb, offs_t, offs_pk * K_PER, sks_t, sks_c, skz_t, skz_c,
-                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
         if K_PER >= 2:
             s += _key_scores(q1, qd1, raw, sb, zb, offs_t, offs_pk * K_PER + 1, sks_t, sks_c, skz_t, skz_c,
-                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
         if K_PER >= 4:
             s += _key_scores(q2, qd2, raw, sb, zb, offs_t, offs_pk * K_PER + 2, sks_t, sks_c, skz_t, skz_c,
-                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
-                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
-        if K_SCALE == 2 and K_KIND == 2 and K_GF16:
-            s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, DK)
+                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
+        if K_SCALE == 2 and (K_KIND == 2 or K_KIND == 4) and K_GF16:
+            s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, K_DP, DK)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query), one dot
             offs_o = tl.arange(0, BLOCK_O)
             o_mask = offs_o < N_OUT
@@ -212,23 +227,24 @@ def paged_chunk_kernel(
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(V_CD)
         # ---- values
-        raw = tl.load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :])
+        raw = _chan_load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :],
+                         offs_pv * V_PER, DV, V_DP, V_PER)
         sb = vs_ptr + blk * svs_n + pid_h * svs_h
         zb = vz_ptr + blk * svz_n + pid_h * svz_h
         acc0 = acc0 * alpha[:, None] + _value_part(
             p, pd, raw, sb, zb, offs_t, offs_pv * V_PER, svs_t, svs_c, svz_t, svz_c,
-            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
         if V_PER >= 2:
             acc1 = acc1 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 1, svs_t, svs_c, svz_t, svz_c,
-                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
         if V_PER >= 4:
             acc2 = acc2 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 2, svs_t, svs_c, svz_t, svz_c,
-                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
             acc3 = acc3 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 3, svs_t, svs_c, svz_t, svz_c,
-                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
     # fmt: on
 
     # ---- the full-precision tail (positions n_sealed * B + t, t < n_tail), when some row of the tile reaches it
@@ -241,14 +257,14 @@ def paged_chunk_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_full_rows(
             tk, tv, offs_pk, offs_pv, (offs_t < n_tail)[:, None], tail_valid,  # never load unused (poisoned) slots
             q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
-            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
+            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT, DK, K_DP, DV, V_DP)  # fmt: skip
 
     # ---- normalized output; a row with nothing attended gets zeros
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     o_rows = o_ptr + pid_b.to(tl.int64) * so_b + t_idx.to(tl.int64) * so_t + heads * so_h
-    _store_o_part(o_rows, offs_pv, r_mask, acc0, inv, 0, V_PER)
+    _store_o_part(o_rows, offs_pv, r_mask, acc0, inv, 0, V_PER, DV, V_DP)
     if V_PER >= 2:
-        _store_o_part(o_rows, offs_pv, r_mask, acc1, inv, 1, V_PER)
+        _store_o_part(o_rows, offs_pv, r_mask, acc1, inv, 1, V_PER, DV, V_DP)
     if V_PER >= 4:
-        _store_o_part(o_rows, offs_pv, r_mask, acc2, inv, 2, V_PER)
-        _store_o_part(o_rows, offs_pv, r_mask, acc3, inv, 3, V_PER)
+        _store_o_part(o_rows, offs_pv, r_mask, acc2, inv, 2, V_PER, DV, V_DP)
+        _store_o_part(o_rows, offs_pv, r_mask, acc3, inv, 3, V_PER, DV, V_DP)

@@ -83,6 +83,12 @@ def _per(spec: QuantSpec) -> int:
     return 8 // spec.bits if spec.bits < 8 else 1
 
 
+def part_columns(spec: QuantSpec, head_dim: int) -> int:
+    """Columns of one part's tiles in the kernels: ``head_dim // PER`` rounded up to a power of two of at least 16
+    (``tl.arange`` needs a power of two, a dot operand 16); the kernels mask the columns past ``head_dim // PER``."""
+    return max(16, _next_pow2(head_dim // _per(spec)))
+
+
 def spec_constants(spec: QuantSpec, kv_heads: int, block_size: int, head_dim: int) -> dict[str, int | bool]:
     """The kernel's compile-time description of one spec: ``KIND``, ``BITS``, ``PER``, ``SCALE``, ``CGROUP``,
     ``E8M0`` (codes of :mod:`kvpack.kernels.lowering`: :class:`TritonKind`, :class:`TritonScale`)."""
@@ -105,11 +111,6 @@ def _spec_reasons(spec: QuantSpec, head_dim: int, role: Role) -> list[str]:
         spec.granularity, (PerTensor, PerHead, PerChannel, PerToken, PerGroup)
     ):
         reasons.append(f"{role}: granularity {spec.granularity!r} is not one the kernel knows")
-    if spec.dtype in (DType.INT4, DType.INT2) and _pow2(head_dim) and head_dim // _per(spec) < 16:
-        reasons.append(
-            f"{role}: {spec.dtype.value} needs head_dim >= {16 * _per(spec)} (each packed part feeds a dot of "
-            f"at least 16), got {head_dim}"
-        )
     return reasons
 
 
@@ -142,8 +143,8 @@ def reasons_unsupported(q: torch.Tensor, kv: PagedKV, window: int | None = None)
     if q.dtype not in _Q_DTYPES:
         reasons.append(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     d, b = kv.head_dim, kv.block_size
-    if not (_pow2(d) and 16 <= d <= 256):
-        reasons.append(f"head_dim must be a power of two in [16, 256], got {d}")
+    if not 16 <= d <= 256:
+        reasons.append(f"head_dim must be in [16, 256], got {d}")
     if not (_pow2(b) and 16 <= b <= 256):
         reasons.append(f"block_size must be a power of two in [16, 256], got {b}; use block=16, 32, 64 or 128")
     for role in ROLES:
@@ -331,6 +332,9 @@ def cache_constexprs(kv: PagedKV, q: torch.Tensor, codes: str | None = None) -> 
         **{f"V_{n}": v for n, v in spec_constants(kv.format.value, h, b, d).items()},
         "N_OUT": n_out,
         "BLOCK_O": max(2, _next_pow2(n_out)),
+        # columns of a part's tiles: a power of two (tl.arange), at least 16 (a dot operand); past d // PER they pad
+        "K_DP": part_columns(kv.format.key, d),
+        "V_DP": part_columns(kv.format.value, d),
         # The dot runs in q's dtype: 16-bit tensor-core operands, fp32 accumulate; integer codes built as float16
         # (exact) multiply in float16 for 16-bit queries (code_dot_dtype).
         "DOT": dot,
@@ -419,7 +423,7 @@ def build_launches(
             result, result.stride(0), result.stride(1),
             splits,
         ]  # fmt: skip
-        mconst = {"BLOCK_S": max(2, _next_pow2(splits)), "HEAD_DIM": d}
+        mconst = {"BLOCK_S": max(2, _next_pow2(splits)), "HEAD_DIM": d, "BLOCK_D": _next_pow2(d)}
         launches.append(Launch(k.merge_splits_kernel, (batch, hq), margs, mconst, {"num_warps": 4 if d >= 128 else 2}))
     return launches, result
 

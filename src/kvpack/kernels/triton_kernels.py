@@ -14,6 +14,10 @@ shapes and turn a :class:`~kvpack.formats.QuantSpec` into the compile-time const
 * ``PER``: elements per payload byte (1, or 2 for int4, 4 for int2). A packed tile is never interleaved
   in registers: part ``j`` of a tile holds channels ``c = i * PER + j``, and the query and the output
   accumulators are split the same way, so the dot products run on contiguous bytes.
+* ``K_DP`` / ``V_DP``: columns of a part's tiles, ``HEAD_DIM // PER`` rounded up to a power of two of at
+  least 16 (a dot operand's minimum). Where that pads (head_dim 80, 96, 112; int4 at 16), every load of a
+  payload, scale, zero, query or full-precision row masks the padding columns (they read 0, so they add
+  nothing to a score) and no store writes them; where it does not, no mask is compiled.
 * ``HAS_SINK`` / ``BLOCK_SINK``: full-precision sink rows (``PagedKV.sink_k``; ``BLOCK_SINK`` a power of two
   >= 16 covering ``S``) replace the first ``min(S, n_sealed)`` sealed rows; without a sink none of it compiles.
 
@@ -42,6 +46,26 @@ def _decode_scale(stored, E8M0: tl.constexpr):
         return (stored.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
         return stored.to(tl.float32)
+
+
+@triton.jit
+def _chan_load(ptrs, offs_c, NC: tl.constexpr, DP: tl.constexpr, PER: tl.constexpr):
+    """Load ``ptrs`` (``[DP]`` or ``[R, DP]``, the last axis over one part's columns, channels ``offs_c``):
+    all of it when the part has no padding columns (``NC == DP``), else only real channels (padding reads 0)."""
+    if NC == DP:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=offs_c < NC * PER, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_cols(ptrs, x, offs_p, rmask, NC: tl.constexpr, DP: tl.constexpr):
+    """Store a ``[R, DP]`` tile at rows ``rmask`` (``[R]``), leaving the padding columns past ``NC`` unwritten."""
+    if NC == DP:
+        tl.store(ptrs, x, mask=rmask[:, None])
+    else:
+        tl.store(ptrs, x, mask=rmask[:, None] & (offs_p < NC)[None, :])
 
 
 @triton.jit
@@ -216,22 +240,22 @@ def _codes_bits(raw, J: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _group_params(base, offs_t, offs_c, st, sc, E8M0: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr,
-                  PER: tl.constexpr, CGROUP: tl.constexpr, STORED: tl.constexpr = False):  # fmt: skip
+                  PER: tl.constexpr, CGROUP: tl.constexpr, NC: tl.constexpr, STORED: tl.constexpr = False):  # fmt: skip
     """Per-(token, channel group) scales or zeros of one part as a float32 ``[BLOCK_SIZE, DP]`` tile (in the
     stored dtype with ``STORED``: float16 scales stay float16).
 
     When a group spans whole payload bytes (``CGROUP % PER == 0``), the columns of a part fall into groups in
     runs of ``CGROUP // PER``: load the small contiguous ``[BLOCK_SIZE, groups]`` array once and broadcast it
-    in registers instead of gathering one element per column.
+    in registers instead of gathering one element per column (not with padding columns: ``NC < DP``).
     """
-    if CGROUP % PER == 0:
+    if CGROUP % PER == 0 and NC == DP:
         CS: tl.constexpr = DP * PER // CGROUP
         small = tl.load(base + offs_t[:, None] * st + tl.arange(0, CS)[None, :] * sc)
         if not STORED:
             small = _decode_scale(small, E8M0)
         return tl.reshape(tl.broadcast_to(small[:, :, None], [BLOCK_SIZE, CS, CGROUP // PER]), [BLOCK_SIZE, DP])
     else:
-        params = tl.load(base + offs_t[:, None] * st + (offs_c // CGROUP)[None, :] * sc)
+        params = _chan_load(base + offs_t[:, None] * st + (offs_c // CGROUP)[None, :] * sc, offs_c, NC, DP, PER)
         if not STORED:
             params = _decode_scale(params, E8M0)
         return params
@@ -262,6 +286,7 @@ def _key_scores(
     BLOCK_SIZE: tl.constexpr,
     DP: tl.constexpr,
     PER: tl.constexpr,
+    NC: tl.constexpr,  # real columns of the part (DP pads them to a power of two)
 ):
     """Scores ``[BLOCK_G, BLOCK_SIZE]`` (log2 units) contributed by the channels of part ``J``.
 
@@ -278,10 +303,10 @@ def _key_scores(
             z = tl.load(z_base).to(tl.float32)
             sc += z * tl.sum(q, axis=1)[:, None]
     elif SCALE == 2:
-        s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
+        s = _decode_scale(_chan_load(s_base + (offs_c // CGROUP) * s_sc, offs_c, NC, DP, PER), E8M0)  # [DP]
         sc = tl.dot((q * s[None, :]).to(DOT), tl.trans(c.to(DOT)))
         if (KIND == 2 or KIND == 4) and not GF16:  # with GF16 the caller adds the zero-points of all parts (_key_zeros)
-            z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
+            z = _chan_load(z_base + (offs_c // CGROUP) * z_sc, offs_c, NC, DP, PER).to(tl.float32)
             sc += tl.sum(q * z[None, :], axis=1)[:, None]
     elif SCALE == 3:
         s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
@@ -290,28 +315,34 @@ def _key_scores(
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             sc += tl.sum(q, axis=1)[:, None] * z[None, :]
     else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
-        k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
+        k = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, NC, GF16)
         if KIND == 2 or KIND == 4:
-            k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
+            k += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, NC, GF16)
         sc = tl.dot(qd, tl.trans(k.to(DOT)))
     return sc
 
 
 @triton.jit
+def _zeros_of(z_base, offs_c, z_sc, CGROUP: tl.constexpr, NC: tl.constexpr, DP: tl.constexpr, PER: tl.constexpr):
+    """Float32 zero-points ``[DP]`` of channels ``offs_c`` (padding columns read 0)."""
+    return _chan_load(z_base + (offs_c // CGROUP) * z_sc, offs_c, NC, DP, PER).to(tl.float32)
+
+
+@triton.jit
 def _key_zeros(s, q0, q1, q2, q3, z_base, offs_p, z_sc, CGROUP: tl.constexpr, PER: tl.constexpr,
-               CD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr):  # fmt: skip
+               CD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DP: tl.constexpr, NC: tl.constexpr):  # fmt: skip
     """``s + sum_c q[:, c] * z[c]`` on every token of the block: per-channel zero-points of asymmetric keys.
 
     The parts' products are summed in float32 and multiplied by a ones tile on the tensor cores, which
     broadcasts the row sums over the tokens: no cross-thread reduction (on sm_90 the per-part ``tl.sum`` of
     ``q * z`` took int4 118 of its 773 block-loop instructions, kivi2 124 of 794).
     """
-    qz = q0 * tl.load(z_base + ((offs_p * PER) // CGROUP) * z_sc).to(tl.float32)[None, :]
+    qz = q0 * _zeros_of(z_base, offs_p * PER, z_sc, CGROUP, NC, DP, PER)[None, :]
     if PER >= 2:
-        qz += q1 * tl.load(z_base + ((offs_p * PER + 1) // CGROUP) * z_sc).to(tl.float32)[None, :]
+        qz += q1 * _zeros_of(z_base, offs_p * PER + 1, z_sc, CGROUP, NC, DP, PER)[None, :]
     if PER >= 4:
-        qz += q2 * tl.load(z_base + ((offs_p * PER + 2) // CGROUP) * z_sc).to(tl.float32)[None, :]
-        qz += q3 * tl.load(z_base + ((offs_p * PER + 3) // CGROUP) * z_sc).to(tl.float32)[None, :]
+        qz += q2 * _zeros_of(z_base, offs_p * PER + 2, z_sc, CGROUP, NC, DP, PER)[None, :]
+        qz += q3 * _zeros_of(z_base, offs_p * PER + 3, z_sc, CGROUP, NC, DP, PER)[None, :]
     return tl.dot(qz.to(CD), tl.full([DP, BLOCK_SIZE], 1.0, CD), s)
 
 
@@ -340,6 +371,7 @@ def _value_part(
     BLOCK_SIZE: tl.constexpr,
     DP: tl.constexpr,
     PER: tl.constexpr,
+    NC: tl.constexpr,  # real columns of the part (DP pads them to a power of two)
 ):
     """``p @ V`` for the channels of part ``J``: ``[BLOCK_G, DP]`` float32.
 
@@ -356,10 +388,10 @@ def _value_part(
             z = tl.load(z_base).to(tl.float32)
             o += z * tl.sum(p, axis=1)[:, None]
     elif SCALE == 2:
-        s = _decode_scale(tl.load(s_base + (offs_c // CGROUP) * s_sc), E8M0)  # [DP]
+        s = _decode_scale(_chan_load(s_base + (offs_c // CGROUP) * s_sc, offs_c, NC, DP, PER), E8M0)  # [DP]
         o = tl.dot(pd, c.to(DOT)) * s[None, :]
         if KIND == 2 or KIND == 4:
-            z = tl.load(z_base + (offs_c // CGROUP) * z_sc).to(tl.float32)
+            z = _chan_load(z_base + (offs_c // CGROUP) * z_sc, offs_c, NC, DP, PER).to(tl.float32)
             o += tl.sum(p, axis=1)[:, None] * z[None, :]
     elif SCALE == 3:
         s = _decode_scale(tl.load(s_base + offs_t * s_st), E8M0)  # [BLOCK_SIZE]
@@ -368,9 +400,9 @@ def _value_part(
             z = tl.load(z_base + offs_t * z_st).to(tl.float32)
             o += tl.sum(p * z[None, :], axis=1)[:, None]
     else:  # per group: dequantize the tile (in float16 when the codes and the stored scales are float16)
-        v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, GF16)
+        v = c * _group_params(s_base, offs_t, offs_c, s_st, s_sc, E8M0, BLOCK_SIZE, DP, PER, CGROUP, NC, GF16)
         if KIND == 2 or KIND == 4:
-            v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, GF16)
+            v += _group_params(z_base, offs_t, offs_c, z_st, z_sc, False, BLOCK_SIZE, DP, PER, CGROUP, NC, GF16)
         o = tl.dot(pd, v.to(DOT))
     return o
 
@@ -387,10 +419,15 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _tail_part(rows, offs_p, t_mask, J: tl.constexpr, PER: tl.constexpr, DOT: tl.constexpr):
-    """Channels ``i * PER + J`` of the used full-precision rows ``[R, D // PER]`` in the dot dtype (unused
-    rows are not loaded: they read as 0)."""
-    return tl.load(rows + (offs_p * PER + J)[None, :], mask=t_mask, other=0.0).to(DOT)
+def _tail_part(rows, offs_p, t_mask, J: tl.constexpr, PER: tl.constexpr, DOT: tl.constexpr, NC: tl.constexpr,
+               DP: tl.constexpr):  # fmt: skip
+    """Channels ``i * PER + J`` of the used full-precision rows ``[R, DP]`` in the dot dtype (unused rows and
+    padding columns are not loaded: they read as 0)."""
+    if NC == DP:
+        x = tl.load(rows + (offs_p * PER + J)[None, :], mask=t_mask, other=0.0)
+    else:
+        x = tl.load(rows + (offs_p * PER + J)[None, :], mask=t_mask & (offs_p < NC)[None, :], other=0.0)
+    return x.to(DOT)
 
 
 @triton.jit
@@ -403,23 +440,24 @@ def _attend_rows(
     valid,  # [R] rows attended (loaded and inside the start_pos / window range)
     qd0, qd1, qd2, qd3, m_i, l_i, acc0, acc1, acc2, acc3,
     K_PER: tl.constexpr, V_PER: tl.constexpr, DOT: tl.constexpr,
+    DK: tl.constexpr, K_DP: tl.constexpr, DV: tl.constexpr, V_DP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over ``R`` full-precision rows, split into parts like the payload."""
-    s = tl.dot(qd0, tl.trans(_tail_part(kr, offs_pk, load, 0, K_PER, DOT)))
+    s = tl.dot(qd0, tl.trans(_tail_part(kr, offs_pk, load, 0, K_PER, DOT, DK, K_DP)))
     if K_PER >= 2:
-        s += tl.dot(qd1, tl.trans(_tail_part(kr, offs_pk, load, 1, K_PER, DOT)))
+        s += tl.dot(qd1, tl.trans(_tail_part(kr, offs_pk, load, 1, K_PER, DOT, DK, K_DP)))
     if K_PER >= 4:
-        s += tl.dot(qd2, tl.trans(_tail_part(kr, offs_pk, load, 2, K_PER, DOT)))
-        s += tl.dot(qd3, tl.trans(_tail_part(kr, offs_pk, load, 3, K_PER, DOT)))
+        s += tl.dot(qd2, tl.trans(_tail_part(kr, offs_pk, load, 2, K_PER, DOT, DK, K_DP)))
+        s += tl.dot(qd3, tl.trans(_tail_part(kr, offs_pk, load, 3, K_PER, DOT, DK, K_DP)))
     s = tl.where(valid[None, :], s, float("-inf"))
     m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
     pd = p.to(DOT)
-    acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 0, V_PER, DOT))
+    acc0 = acc0 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 0, V_PER, DOT, DV, V_DP))
     if V_PER >= 2:
-        acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 1, V_PER, DOT))
+        acc1 = acc1 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 1, V_PER, DOT, DV, V_DP))
     if V_PER >= 4:
-        acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 2, V_PER, DOT))
-        acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 3, V_PER, DOT))
+        acc2 = acc2 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 2, V_PER, DOT, DV, V_DP))
+        acc3 = acc3 * alpha[:, None] + tl.dot(pd, _tail_part(vr, offs_pv, load, 3, V_PER, DOT, DV, V_DP))
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -452,14 +490,14 @@ def paged_decode_kernel(
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
-    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
+    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, K_DP: tl.constexpr, V_DP: tl.constexpr,
     DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
     K_GF16: tl.constexpr, V_GF16: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    DK: tl.constexpr = HEAD_DIM // K_PER
+    DK: tl.constexpr = HEAD_DIM // K_PER  # real columns of a key part; K_DP of them are loaded (padding reads 0)
     DV: tl.constexpr = HEAD_DIM // V_PER
 
     seq_len = tl.load(seq_ptr + pid_b)
@@ -480,23 +518,24 @@ def paged_decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_t = tl.arange(0, BLOCK_SIZE)
-    offs_pk = tl.arange(0, DK)  # payload byte (or element) index of a key row
-    offs_pv = tl.arange(0, DV)
+    offs_pk = tl.arange(0, K_DP)  # payload byte (or element) index of a key row
+    offs_pv = tl.arange(0, V_DP)
     g_mask = offs_g < GROUP
+    q_mask = g_mask[:, None] & (offs_pk < DK)[None, :]
     heads = pid_h * GROUP + offs_g
 
     # The query of the kv head's GROUP query heads, split like the key payload: part j holds c = i*K_PER + j.
     q_rows = q_ptr + pid_b * sq_b + heads[:, None] * sq_h
-    q0 = tl.load(q_rows + (offs_pk * K_PER)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q0 = tl.load(q_rows + (offs_pk * K_PER)[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
     q1 = q0
     q2 = q0
     q3 = q0
     if K_PER >= 2:
-        q1 = tl.load(q_rows + (offs_pk * K_PER + 1)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(q_rows + (offs_pk * K_PER + 1)[None, :], mask=q_mask, other=0.0).to(tl.float32)
         q1 = q1 * qk_scale
     if K_PER >= 4:
-        q2 = tl.load(q_rows + (offs_pk * K_PER + 2)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
-        q3 = tl.load(q_rows + (offs_pk * K_PER + 3)[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + (offs_pk * K_PER + 2)[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q3 = tl.load(q_rows + (offs_pk * K_PER + 3)[None, :], mask=q_mask, other=0.0).to(tl.float32)
         q2 = q2 * qk_scale
         q3 = q3 * qk_scale
     # Sealed keys multiply in K_CD (float16 when integer codes are built as float16, else the query's dtype);
@@ -508,10 +547,10 @@ def paged_decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc0 = tl.zeros([BLOCK_G, DV], tl.float32)
-    acc1 = tl.zeros([BLOCK_G, DV], tl.float32)
-    acc2 = tl.zeros([BLOCK_G, DV], tl.float32)
-    acc3 = tl.zeros([BLOCK_G, DV], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, V_DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, V_DP], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, V_DP], tl.float32)
+    acc3 = tl.zeros([BLOCK_G, V_DP], tl.float32)
 
     # ---- the full-precision sink rows (positions [0, n_sink)), attended first by the first split: before the
     # block loop nothing else is live (attended after the loop, fp8-o4 took 142-158 registers on sm_90, not 128)
@@ -524,27 +563,28 @@ def paged_decode_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
                 kr, vr, offs_pk, offs_pv, valid[:, None], valid, q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT),
                 m_i, l_i,
-                acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
+                acc0, acc1, acc2, acc3, K_PER, V_PER, DOT, DK, K_DP, DV, V_DP)  # fmt: skip
 
     # fmt: off
     for i in range(blk_lo, blk_hi):
         blk = tl.load(bt_ptr + pid_b * sbt_b + i).to(tl.int64)
         # ---- keys: scores of this block, scales folded where the granularity allows
-        raw = tl.load(kd_ptr + blk * skd_n + pid_h * skd_h + offs_t[:, None] * skd_t + offs_pk[None, :])
+        raw = _chan_load(kd_ptr + blk * skd_n + pid_h * skd_h + offs_t[:, None] * skd_t + offs_pk[None, :],
+                         offs_pk * K_PER, DK, K_DP, K_PER)
         sb = ks_ptr + blk * sks_n + pid_h * sks_h
         zb = kz_ptr + blk * skz_n + pid_h * skz_h
         s = _key_scores(q0, qd0, raw, sb, zb, offs_t, offs_pk * K_PER, sks_t, sks_c, skz_t, skz_c,
-                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                        0, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
         if K_PER >= 2:
             s += _key_scores(q1, qd1, raw, sb, zb, offs_t, offs_pk * K_PER + 1, sks_t, sks_c, skz_t, skz_c,
-                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             1, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
         if K_PER >= 4:
             s += _key_scores(q2, qd2, raw, sb, zb, offs_t, offs_pk * K_PER + 2, sks_t, sks_c, skz_t, skz_c,
-                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             2, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
             s += _key_scores(q3, qd3, raw, sb, zb, offs_t, offs_pk * K_PER + 3, sks_t, sks_c, skz_t, skz_c,
-                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, DK, K_PER)
+                             3, K_KIND, K_BITS, K_SCALE, K_CGROUP, K_E8M0, K_GF16, CVT, K_CD, BLOCK_SIZE, K_DP, K_PER, DK)
         if K_SCALE == 2 and (K_KIND == 2 or K_KIND == 4) and K_GF16:
-            s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, DK)
+            s = _key_zeros(s, q0, q1, q2, q3, zb, offs_pk, skz_c, K_CGROUP, K_PER, K_CD, BLOCK_SIZE, K_DP, DK)
         if N_OUT > 0:  # outlier key channels: + sum_j q[idx_j] * residual[t, j] (the unfolded query)
             offs_o = tl.arange(0, BLOCK_O)
             o_mask = offs_o < N_OUT
@@ -557,23 +597,24 @@ def paged_decode_kernel(
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(V_CD)
         # ---- values
-        raw = tl.load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :])
+        raw = _chan_load(vd_ptr + blk * svd_n + pid_h * svd_h + offs_t[:, None] * svd_t + offs_pv[None, :],
+                         offs_pv * V_PER, DV, V_DP, V_PER)
         sb = vs_ptr + blk * svs_n + pid_h * svs_h
         zb = vz_ptr + blk * svz_n + pid_h * svz_h
         acc0 = acc0 * alpha[:, None] + _value_part(
             p, pd, raw, sb, zb, offs_t, offs_pv * V_PER, svs_t, svs_c, svz_t, svz_c,
-            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+            0, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
         if V_PER >= 2:
             acc1 = acc1 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 1, svs_t, svs_c, svz_t, svz_c,
-                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                1, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
         if V_PER >= 4:
             acc2 = acc2 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 2, svs_t, svs_c, svz_t, svz_c,
-                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                2, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
             acc3 = acc3 * alpha[:, None] + _value_part(
                 p, pd, raw, sb, zb, offs_t, offs_pv * V_PER + 3, svs_t, svs_c, svz_t, svz_c,
-                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, DV, V_PER)
+                3, V_KIND, V_BITS, V_SCALE, V_CGROUP, V_E8M0, V_GF16, CVT, V_CD, BLOCK_SIZE, V_DP, V_PER, DV)
     # fmt: on
 
     # ---- the full-precision tail, attended last by the last split
@@ -585,27 +626,27 @@ def paged_decode_kernel(
         tv = tv_ptr + pid_b * stv_b + pid_h * stv_h + offs_t[:, None] * stv_t
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_rows(
             tk, tv, offs_pk, offs_pv, t_mask, valid, q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), m_i, l_i,
-            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT)  # fmt: skip
+            acc0, acc1, acc2, acc3, K_PER, V_PER, DOT, DK, K_DP, DV, V_DP)  # fmt: skip
 
     # ---- results: normalized output when there is one split, else the partial sums for the merge
     if not SPLIT:
         inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # nothing attended -> zeros
         rows = o_ptr + pid_b * so_b + heads[:, None] * so_h
         ety = o_ptr.dtype.element_ty
-        tl.store(rows + (offs_pv * V_PER)[None, :], (acc0 * inv[:, None]).to(ety), mask=g_mask[:, None])
+        _store_cols(rows + (offs_pv * V_PER)[None, :], (acc0 * inv[:, None]).to(ety), offs_pv, g_mask, DV, V_DP)
         if V_PER >= 2:
-            tl.store(rows + (offs_pv * V_PER + 1)[None, :], (acc1 * inv[:, None]).to(ety), mask=g_mask[:, None])
+            _store_cols(rows + (offs_pv * V_PER + 1)[None, :], (acc1 * inv[:, None]).to(ety), offs_pv, g_mask, DV, V_DP)
         if V_PER >= 4:
-            tl.store(rows + (offs_pv * V_PER + 2)[None, :], (acc2 * inv[:, None]).to(ety), mask=g_mask[:, None])
-            tl.store(rows + (offs_pv * V_PER + 3)[None, :], (acc3 * inv[:, None]).to(ety), mask=g_mask[:, None])
+            _store_cols(rows + (offs_pv * V_PER + 2)[None, :], (acc2 * inv[:, None]).to(ety), offs_pv, g_mask, DV, V_DP)
+            _store_cols(rows + (offs_pv * V_PER + 3)[None, :], (acc3 * inv[:, None]).to(ety), offs_pv, g_mask, DV, V_DP)
     else:
         rows = acc_ptr + pid_b * sacc_b + heads[:, None] * sacc_h + pid_s * sacc_s
-        tl.store(rows + (offs_pv * V_PER)[None, :], acc0, mask=g_mask[:, None])
+        _store_cols(rows + (offs_pv * V_PER)[None, :], acc0, offs_pv, g_mask, DV, V_DP)
         if V_PER >= 2:
-            tl.store(rows + (offs_pv * V_PER + 1)[None, :], acc1, mask=g_mask[:, None])
+            _store_cols(rows + (offs_pv * V_PER + 1)[None, :], acc1, offs_pv, g_mask, DV, V_DP)
         if V_PER >= 4:
-            tl.store(rows + (offs_pv * V_PER + 2)[None, :], acc2, mask=g_mask[:, None])
-            tl.store(rows + (offs_pv * V_PER + 3)[None, :], acc3, mask=g_mask[:, None])
+            _store_cols(rows + (offs_pv * V_PER + 2)[None, :], acc2, offs_pv, g_mask, DV, V_DP)
+            _store_cols(rows + (offs_pv * V_PER + 3)[None, :], acc3, offs_pv, g_mask, DV, V_DP)
         ml = ml_ptr + pid_b * sml_b + heads * sml_h + pid_s * sml_s
         tl.store(ml, m_i, mask=g_mask)
         tl.store(ml + 1, l_i, mask=g_mask)
@@ -617,13 +658,15 @@ def merge_splits_kernel(
     ml_ptr, sml_b, sml_h, sml_s,  # [batch, Hq, splits, 2] float32: running max (log2 units) and sum
     o_ptr, so_b, so_h,  # out [batch, Hq, D]
     num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Log-sum-exp merge of the splits of one (sequence, query head)."""
+    """Log-sum-exp merge of the splits of one (sequence, query head); ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a
+    power of two."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     s_mask = offs_s < num_splits
     ml = ml_ptr + pid_b * sml_b + pid_h * sml_h + offs_s * sml_s
     m = tl.load(ml, mask=s_mask, other=float("-inf"))
@@ -634,12 +677,12 @@ def merge_splits_kernel(
     total = tl.sum(l_s * w, axis=0)
     acc = tl.load(
         acc_ptr + pid_b * sacc_b + pid_h * sacc_h + offs_s[:, None] * sacc_s + offs_d[None, :],
-        mask=s_mask[:, None],
+        mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
     o = tl.sum(acc * w[:, None], axis=0)
     o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
-    tl.store(o_ptr + pid_b * so_b + pid_h * so_h + offs_d, o.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + pid_b * so_b + pid_h * so_h + offs_d, o.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
