@@ -545,3 +545,19 @@ def test_installed_entry_point() -> None:
     assert bad.returncode == 2
     assert bad.stdout == ""
     assert bad.stderr.strip().count("\n") == 0 and "--context" in bad.stderr
+
+
+def test_speculative_decoding_pays_two_tail_slots_per_request(capsys) -> None:
+    """With drafts the vLLM backend keeps a sealed block's reserve beside each request's tail: the prediction is
+    the one for twice the requests, and the text and JSON say why."""
+    shape = ["size", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--context", "512", "--format", "int8",
+             "--vllm-space", "192MiB", "--dtype", "float32"]  # fmt: skip
+    spec = run_json(capsys, *shape[1:], "--max-num-seqs", "8", "--num-speculative-tokens", "3")
+    double = run_json(capsys, *shape[1:], "--max-num-seqs", "16")
+    plain = run_json(capsys, *shape[1:], "--max-num-seqs", "8")
+    assert spec["formats"][0]["vllm_tokens"] == double["formats"][0]["vllm_tokens"] < plain["formats"][0]["vllm_tokens"]
+    assert spec["vllm"]["tail_slots"] == 16 and spec["vllm"]["max_num_seqs"] == 8 and spec["vllm"]["speculative"]
+    main([*shape, "--max-num-seqs", "8", "--num-speculative-tokens", "3"])
+    assert "for max_num_seqs=8 requests (two slots each: speculative decoding)." in capsys.readouterr().out
+    assert main([*shape, "--num-speculative-tokens", "-1"]) != 0
+    assert "--num-speculative-tokens must be a whole number" in capsys.readouterr().err

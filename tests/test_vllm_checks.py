@@ -94,7 +94,7 @@ def test_backend_check_pays_the_tails_where_no_config_step_did():
         ({}, {"format": "int8@static", "calibration": "/nonexistent/calib"}, "no calibration artifact at"),
         ({}, {"format": "int8", "calibration": "/nonexistent/calib"}, "it would be ignored"),
         ({}, {"format": "int8@static", "calibration": 3}, "must be the folder of a `kvpack calibrate` artifact"),
-        ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "tails of 256 running"),
+        ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "(256 running requests"),
         ({}, {"format": "int4/int8[28-31]"}, "names layer(s) [30, 31] but the model has 30 layers"),
         ({}, {"format": "int4/int4@static[3]"}, "int4@static needs calibrated (static) scales: add"),
         ({}, {"format": "int4/int8,block=32[3]"}, "same block= and sink="),
@@ -107,6 +107,33 @@ def test_backend_check_lists_what_to_change(extra, kvpack, expected):
     reasons = _validate(cfg)
     assert any(expected in r for r in reasons), reasons
     assert cfg.cache_config.kv_cache_memory_bytes == space  # nothing paid for an engine that cannot start
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def test_speculative_decoding_with_drafts_from_no_model_pays_two_tail_slots_per_request():
+    cfg = _engine_config(speculative_config=NGRAM, additional_config={"kvpack": {"format": "int8"}})
+    assert kcfg.spec_tokens(cfg) == 3 and kcfg.tail_slots(cfg) == 2 * SEQS
+    assert _validate(cfg) == []
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE - 2 * _tails("int8")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({**NGRAM, "num_speculative_tokens": 64}, "num_speculative_tokens=64"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "its drafter has attention layers of its own"),
+    ],
+)
+def test_speculative_decoding_the_backend_cannot_serve_is_refused(spec, expected):
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": str(ensure_converted())}  # the target drafting for itself
+    cfg = _engine_config(speculative_config=spec)
+    cfg.additional_config = {"kvpack": {"format": "int8"}}
+    reasons = _validate(cfg)
+    assert any(expected in r for r in reasons), reasons
+    assert cfg.cache_config.kv_cache_memory_bytes == SPACE  # nothing paid
 
 
 def test_v2_model_runner_is_refused(monkeypatch):

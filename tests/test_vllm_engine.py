@@ -97,6 +97,26 @@ def test_int8_keeps_the_greedy_tokens_through_prefix_hits_and_preemption(job, st
     assert res["tails_left"] == 0
 
 
+# vLLM's n-gram speculative decoding: three drafts a step, looked up in the sequence's own tokens
+SPEC = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                               "prompt_lookup_min": 2}}  # fmt: skip
+
+
+def test_speculative_decoding_rolls_rejected_drafts_back_out_of_sealed_blocks(job, stock, runs):
+    """Speculative decoding through the passthrough format: greedy drafting changes no greedy token, so the tokens
+    are exactly the stock backend's, while rejected drafts were rolled back out of blocks they had sealed (the
+    blocks reopened from their reserves) and the engine took fewer steps than it had tokens to write. The reserves
+    are paid from the space: two tail slots per request."""
+    tails = tail_pool_bytes(parse_format("kv=fp32"), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)
+    res = _run(runs, job, "kv=fp32 speculative", format="kv=fp32", kv_bytes=2 * KV_BYTES + tails, engine_kwargs=SPEC)
+    plain = _run(runs, job, "kv=fp32", kv_bytes=2 * KV_BYTES)
+    print(f"speculative: {res['steps']} steps against {plain['steps']}, {res['reserves_reopened']} blocks reopened")
+    assert res["outputs"] == stock["outputs"]
+    assert res["reserves_reopened"] > 0 and res["steps"] < plain["steps"]
+    assert res["kv_capacity_tokens"] == plain["kv_capacity_tokens"]  # the second tail slots came from the extra space
+    assert res["tails_left"] == 0
+
+
 def test_int4_agreement_is_reported(job, stock, runs):
     res = _run(runs, job, "int4")
     share = _identical(res, stock)

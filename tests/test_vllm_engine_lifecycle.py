@@ -61,10 +61,10 @@ def test_a_thousand_requests_leave_no_tail_allocated():
             {
                 "format": "int8",
                 "engine_kwargs": {
-                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 64, "prompt_lookup_max": 3}
                 },
             },
-            "speculative decoding",
+            "num_speculative_tokens=64",
         ),
     ],
 )

@@ -24,7 +24,7 @@ from kvpack.calibration.artifact import CalibratedScales
 from kvpack.calibration.static import StaticScales
 from kvpack.errors import CalibrationError, NonFiniteError, PoolExhaustedError, ShapeError
 from kvpack.integrations.vllm.calibration import LayerCalibration, layer_calibration, worker_heads
-from kvpack.integrations.vllm.hooks import request_last_blocks
+from kvpack.integrations.vllm.hooks import release_request
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
@@ -212,7 +212,7 @@ class _Sim:
 
     def __init__(
         self, preset: str, num_blocks: int, capacity: int, kernel: str, seed: int, window: int | None = None,
-        freed: str = "stale", head_dim: int = D,
+        freed: str = "stale", head_dim: int = D, spec_tokens: int = 0,
     ):  # fmt: skip
         """``window``: the layer's sliding window. As vLLM's sliding-window manager does, a block every later query
         leaves out goes back to the free list (at its end: the next one handed out) once no request holds it;
@@ -227,11 +227,12 @@ class _Sim:
             if cal is None
             else LayerCalibration(*(None if s is None else s.layer(0) for s in (cal.key, cal.value)), None)
         )
+        self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink, spec_tokens=spec_tokens)
         self.layer = PagedLayer(
-            self.fmt, H, head_dim, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal, window=window
-        )
+            self.fmt, H, head_dim, capacity, torch.float32, torch.device("cpu"), calibration=layer_cal, window=window,
+            slots=self.table.slots,
+        )  # fmt: skip
         self.kv_cache, self.buf = _pages(self.layer.layout, num_blocks)
-        self.table = TailTable(num_blocks, capacity, self.b, self.fmt.sink)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
         self.oracle = PagedKVCache(
             self.fmt, 1, H, head_dim, num_blocks, tail_dtype=torch.float32, max_seqs=16, calibration=cal
@@ -254,10 +255,20 @@ class _Sim:
 
     def end(self, rid: int) -> None:
         req = self.reqs.pop(rid)
-        self.table.release_blocks(request_last_blocks((req["blocks"],)))  # the runner hook, before the next step
+        release_request(self.table, (req["blocks"],))  # the runner hook, before the next step
         self.oracle.free(req["sid"])
         held = self._held()
         self.free += [b for j, b in enumerate(req["blocks"]) if j not in req["gone"] and b and b not in held]
+
+    def rollback(self, rid: int, n: int) -> None:
+        """Speculative decoding's rejection: request ``rid`` keeps its first ``n`` tokens (its blocks stay, as
+        vLLM's do), and its next step writes from position ``n``. The oracle is rebuilt from those tokens: what a
+        run that never saw the drafts holds (the layer keeps a sealed block's exact rows, not dequantized ones)."""
+        req = self.reqs[rid]
+        req["n"], req["k"], req["v"] = n, req["k"][:n], req["v"][:n]
+        self.oracle.free(req["sid"])
+        req["sid"] = self.oracle.add_sequence()
+        self.oracle.append(0, [req["sid"]], req["k"].transpose(0, 1)[None], req["v"].transpose(0, 1)[None])
 
     def _held(self) -> set[int]:
         return {b for r in self.reqs.values() for j, b in enumerate(r["blocks"]) if j not in r["gone"]}
@@ -354,6 +365,46 @@ def test_layer_at_a_head_dim_that_g32_does_not_divide(preset):
     sim = _Sim(preset, num_blocks=48, capacity=4, kernel="auto", seed=3, head_dim=80)
     assert sim.layer.layout.region("v_scale").shape[-1] == 4
     _schedule(sim)
+
+
+@pytest.mark.parametrize(
+    ("preset", "kernel"),
+    [("kv=fp32", "reference"), ("int8,block=16", "auto"), ("int4,block=16", "reference"), ("int8,block=16", "triton")],
+)
+def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
+    """Speculative decoding under the simulated scheduler: each decode step writes its token and three drafts, and
+    the next starts after the accepted ones (0-3 of them, at random). A draft in a block's last slot seals the block
+    and keeps its rows in a reserve; a rejection then writes into the block again, which reopens it from the
+    reserve, exactly: every query's attention matches a cache that never saw the drafts. Request 2 sits out every
+    fifth step, holding its reserve meanwhile; once all end, nothing is held."""
+    with contextlib.ExitStack() as stack:
+        if kernel == "triton":
+            pytest.importorskip("triton")
+            from _triton_interpreter import fixed_interpreter
+
+            stack.enter_context(fixed_interpreter())
+        sim = _Sim(preset, num_blocks=64, capacity=3, kernel=kernel, seed=11, spec_tokens=3)
+        b, drafts = sim.b, 3
+        rng = np.random.default_rng(5)
+        for rid in range(3):
+            sim.add(rid)
+        sim.step({0: b + 5, 1: 2 * b - 2, 2: 3})
+        reopened = reserved = 0
+        for step in range(2 * b if kernel != "triton" else b // 2):
+            work = {rid: 1 + drafts for rid in sim.reqs if not (rid == 2 and step % 5 == 4)}
+            before = {rid: sim.reqs[rid]["n"] for rid in work}
+            sim.step(work)
+            reserved = max(reserved, sim.table.num_reserved)
+            for rid, c in before.items():
+                n = c + 1 + int(rng.integers(0, drafts + 1))
+                if n < c + 1 + drafts:
+                    reopened += n // b < (c + 1 + drafts) // b and n % b > 0  # back inside a block it sealed
+                    sim.rollback(rid, n)
+        assert reopened > 0 and reserved > 0
+        assert sim.table.num_reserved <= 3
+        for rid in list(sim.reqs):
+            sim.end(rid)
+        assert sim.table.num_allocated == 0
 
 
 def _schedule(sim: _Sim) -> None:

@@ -253,10 +253,17 @@ class VllmSizing:
     seqs: int
     act_bytes: int
     default_tokens: int
+    speculative: bool = False  # speculative decoding: two tail slots per request (a reserve each)
+
+    @property
+    def tail_slots(self) -> int:
+        """Full-precision tail slots per layer the backend pays for."""
+        return self.seqs * (2 if self.speculative else 1)
 
     def as_dict(self) -> dict[str, Any]:
         return {"space_bytes": self.space_bytes, "max_num_seqs": self.seqs, "act_bytes": self.act_bytes,
-                "default_tokens": self.default_tokens}  # fmt: skip
+                "default_tokens": self.default_tokens, "speculative": self.speculative,
+                "tail_slots": self.tail_slots}  # fmt: skip
 
 
 def estimate(
@@ -269,6 +276,7 @@ def estimate(
     shared_prefix: int | None = None,
     skip_invalid: bool = False,
     vllm: tuple[int, int, int] | None = None,
+    speculative: bool = False,
 ) -> SizeEstimate:
     """Size the cache of ``batch`` sequences of ``context`` tokens in each format.
 
@@ -283,6 +291,8 @@ def estimate(
             raising :class:`FormatError`.
         vllm: ``(space_bytes, max_num_seqs, act_bytes)``: also how many tokens vLLM holds in that KV space with
             each format (:func:`vllm_capacity_tokens`) and with its own cache.
+        speculative: vLLM runs speculative decoding (``num_speculative_tokens`` > 0): the backend keeps two tail
+            slots per request (a sealed block's reserve, for drafts rolled back into it).
     """
     for name, v in (("context", context), ("batch", batch)):
         if not isinstance(v, int) or v <= 0:
@@ -301,6 +311,7 @@ def estimate(
             "give --weights-gib (or --model with a known model) together with --gpu-mem"
         )
     h, d, n_layers = model.kv_heads, model.head_dim, model.layers
+    slots = None if vllm is None else vllm[1] * (2 if speculative else 1)  # tail slots per layer
     if vllm is not None and model.state_layers:
         raise ConfigError(
             f"model {model.name!r} is a hybrid ({model.state_layers} of its layers keep a state, not keys and values): "
@@ -326,8 +337,8 @@ def estimate(
             if vllm is not None:
                 row.vllm_refused = vllm_refusal(fmt, model.windows)
             if vllm is not None and row.vllm_refused is None:
-                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
-                row.vllm_tail_bytes = vllm_tail_bytes(fmt.base, n_layers, h, d, vllm[2], vllm[1])
+                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
+                row.vllm_tail_bytes = vllm_tail_bytes(fmt.base, n_layers, h, d, vllm[2], slots)
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -346,8 +357,8 @@ def estimate(
         if shared_prefix is not None:
             row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
         if vllm is not None:
-            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], vllm[1], model.windows)
-            row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], vllm[1])
+            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
+            row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], slots)
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
@@ -355,7 +366,7 @@ def estimate(
             raise ConfigError(f"the vLLM space, max_num_seqs and activation bytes must be positive, got {vllm}")
         page = 2 * h * d * act * 64  # vLLM's own cache, 64-token pages of K and V in the model's dtype
         result.vllm = VllmSizing(
-            space, seqs, act, space // (page * vllm_layers_per_block(n_layers, model.windows)) * 64
+            space, seqs, act, space // (page * vllm_layers_per_block(n_layers, model.windows)) * 64, speculative
         )
     if not result.rows:
         raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))

@@ -54,6 +54,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-num-seqs", default="256", help="vLLM's max_num_seqs: the kvpack tails it pays for (256)")
     p.add_argument(
+        "--num-speculative-tokens",
+        default="0",
+        help="vLLM's num_speculative_tokens (default 0): with drafts the kvpack backend keeps two tail slots per "
+        "request",
+    )
+    p.add_argument(
         "--dtype",
         choices=tuple(MODEL_DTYPE_BYTES),
         default="bfloat16",
@@ -82,6 +88,12 @@ def parse_mem(text: str, flag: str) -> int:
 def _positive_int(text: str, flag: str) -> int:
     if not re.fullmatch(r"\s*\d+\s*", str(text)) or int(text) <= 0:
         raise ConfigError(f"{flag} must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _nonneg_int(text: str, flag: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", str(text)):
+        raise ConfigError(f"{flag} must be a whole number (0 or more), got {text!r}")
     return int(text)
 
 
@@ -203,7 +215,8 @@ def render(p) -> str:
         out.append(
             f"vLLM tokens: what vLLM holds in {v.space_bytes / 2**20:,.1f} MiB of KV space with the kvpack backend: "
             f"pages of the format's blocks with the sink rows in every page, after full-precision tails for "
-            f"max_num_seqs={v.seqs} requests; vLLM's own cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
+            f"max_num_seqs={v.seqs} requests{' (two each: speculative decoding)' if v.speculative else ''}; vLLM's own "
+            f"cache ({v.act_bytes}-byte elements) holds {v.default_tokens:,}."
         )
         by_tails: dict[int, list[str]] = {}  # the tails' share of the space, and where they cost more than they buy
         for r in p.rows:
@@ -212,7 +225,8 @@ def render(p) -> str:
         for nbytes, names in by_tails.items():
             out.append(
                 f"tails: {', '.join(names)}: {nbytes / 2**20:,.1f} MiB of the {v.space_bytes / 2**20:,.1f} MiB "
-                f"({nbytes / v.space_bytes:.0%}) for max_num_seqs={v.seqs} requests."
+                f"({nbytes / v.space_bytes:.0%}) for max_num_seqs={v.seqs} requests"
+                f"{' (two slots each: speculative decoding)' if v.speculative else ''}."
             )
         short = [r.format.name for r in p.rows if r.vllm_tokens is not None and r.vllm_tokens < v.default_tokens]
         if short:
@@ -279,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         shared_prefix=prefix,
         skip_invalid=not args.formats,  # explicit formats must all work; the default list drops misfits
         vllm=_vllm(args),
+        speculative=_nonneg_int(args.num_speculative_tokens, "--num-speculative-tokens") > 0,
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -26,7 +26,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvpack.errors import ConfigError, UnsupportedError
 from kvpack.integrations.vllm.calibration import layer_calibration, worker_heads
-from kvpack.integrations.vllm.config import Settings, engine_reasons, layer_index, pay_tails, settings_from
+from kvpack.integrations.vllm.config import (
+    Settings,
+    engine_reasons,
+    layer_index,
+    pay_tails,
+    settings_from,
+    spec_tokens,
+    tail_slots,
+)
 from kvpack.integrations.vllm.hooks import register_table
 from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import PageLayout
@@ -153,7 +161,8 @@ class KVPackMetadataBuilder(AttentionMetadataBuilder[KVPackMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         fmt = current_settings().format
         blocks = vllm_config.cache_config.num_gpu_blocks or 1
-        self.table = TailTable(blocks, vllm_config.scheduler_config.max_num_seqs, fmt.block_size, fmt.sink)
+        seqs = vllm_config.scheduler_config.max_num_seqs
+        self.table = TailTable(blocks, seqs, fmt.block_size, fmt.sink, spec_tokens=spec_tokens(vllm_config))
         register_table(self.table)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
@@ -228,18 +237,19 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self.sliding_window = sliding_window  # passed to the kernels, which read only the blocks inside it
         self._layer: PagedLayer | None = None
 
-    def _ensure_layer(self, capacity: int, query: torch.Tensor, name: str | None) -> None:
-        """This layer's :class:`PagedLayer` (its tails) for ``capacity`` requests, in the query's dtype and device;
-        ``name``: the vLLM layer's name, whose number picks the layer's format in a per-layer plan."""
+    def _ensure_layer(self, capacity: int, slots: int, query: torch.Tensor, name: str | None) -> None:
+        """This layer's :class:`PagedLayer` (its ``slots`` tails) for ``capacity`` requests, in the query's dtype
+        and device; ``name``: the vLLM layer's name, whose number picks the layer's format in a per-layer plan."""
         lay = self._layer
-        if lay is None or (lay.capacity, lay.dtype, lay.device) != (capacity, query.dtype, query.device):
+        want = (capacity, slots, query.dtype, query.device)
+        if lay is None or (lay.capacity, lay.slots, lay.dtype, lay.device) != want:
             fmt = self.settings.format_of(name)
             h, d = self.num_kv_heads, self.head_size
             cal = layer_calibration(
                 self.settings.calibration, fmt, layer_index(name), h, d, query.device, heads=_worker_heads(h)
             )
             self._layer = PagedLayer(
-                fmt, h, d, capacity, query.dtype, query.device, calibration=cal, window=self.sliding_window
+                fmt, h, d, capacity, query.dtype, query.device, calibration=cal, window=self.sliding_window, slots=slots
             )
 
     def forward(
@@ -262,9 +272,10 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         if md is None:  # the profiling run: nothing to attend
             cfg = get_current_vllm_config_or_none()
             if cfg is not None:  # the tails now, so that a profiler of free memory counts them (CUDA)
-                self._ensure_layer(cfg.scheduler_config.max_num_seqs, query, getattr(layer, "layer_name", None))
+                seqs = cfg.scheduler_config.max_num_seqs
+                self._ensure_layer(seqs, tail_slots(cfg), query, getattr(layer, "layer_name", None))
             return output
-        self._ensure_layer(md.table.capacity, query, getattr(layer, "layer_name", None))
+        self._ensure_layer(md.table.capacity, md.table.slots, query, getattr(layer, "layer_name", None))
         n = md.num_actual_tokens
         assert self._layer is not None
         self._layer.write(kv_cache, md.plan, key[:n], value[:n])

@@ -27,14 +27,17 @@ from kvpack.plans import LayerPlan, parse_plan
 from kvpack.sizing import vllm_tail_bytes
 
 __all__ = [
+    "DRAFT_FREE_METHODS",
     "KERNELS",
     "Settings",
     "engine_reasons",
     "layer_index",
     "pay_tails",
     "settings_from",
+    "spec_tokens",
     "startup_reasons",
     "tail_pool_bytes",
+    "tail_slots",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,6 +156,24 @@ def settings_from(vllm_config: Any) -> Settings | None:
     return Settings(plan, kernel, calibration)
 
 
+# Speculative methods whose drafts come from no model of their own (no attention layer, no KV cache): the target
+# model verifies them through the kvpack layers, which keep a sealed block's rows until no draft can roll back into it
+DRAFT_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
+
+
+def spec_tokens(vllm_config: Any) -> int:
+    """Draft tokens per step (``num_speculative_tokens``; 0 without speculative decoding)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+
+
+def tail_slots(vllm_config: Any) -> int:
+    """Tail slots per layer: one per running request (``max_num_seqs``), twice that with speculative decoding (a
+    reserve per request, :class:`~kvpack.integrations.vllm.tails.TailTable`)."""
+    seqs = vllm_config.scheduler_config.max_num_seqs
+    return seqs * (2 if spec_tokens(vllm_config) else 1)
+
+
 def tail_pool_bytes(fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seqs: int) -> int:
     """Bytes of the full-precision tails (:func:`kvpack.sizing.vllm_tail_bytes` for ``dtype``)."""
     return vllm_tail_bytes(fmt, num_layers, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size(), seqs)
@@ -175,11 +196,22 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
             f"block_size={cache.block_size} but format {base.name or base.spec_string()} seals blocks of "
             f"{base.block_size}: pass block_size={base.block_size} or a format with block={cache.block_size}"
         )
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        reasons.append(
-            "speculative decoding: rejected draft tokens would have to be rolled back out of sealed blocks, "
-            "which the kvpack backend does not do yet; drop speculative_config"
-        )
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        method = getattr(spec, "method", None)
+        drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+        if method not in DRAFT_FREE_METHODS:
+            reasons.append(
+                f"speculative decoding with method {method!r}: its drafter has attention layers of its own, which "
+                f"the kvpack backend does not serve; use one of {', '.join(sorted(DRAFT_FREE_METHODS))} "
+                "(e.g. speculative_config={'method': 'ngram', 'num_speculative_tokens': 4, 'prompt_lookup_max': 4}) "
+                "or drop speculative_config"
+            )
+        if drafts >= base.block_size:
+            reasons.append(
+                f"num_speculative_tokens={drafts}: the kvpack backend keeps drafts inside one block of "
+                f"{base.block_size}; use fewer than {base.block_size} draft tokens"
+            )
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         reasons.append(
             "KV transfer/offload connectors move pages the kvpack backend lays out itself; drop kv_transfer_config"
@@ -258,17 +290,18 @@ def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
         return 0
     parallel = vllm_config.parallel_config
     layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
-    seqs = vllm_config.scheduler_config.max_num_seqs
+    seqs = tail_slots(vllm_config)
     tails = tail_pool_bytes(fmt, layers, heads, model.get_head_size(), model.dtype, seqs)
     if tails >= cache.kv_cache_memory_bytes:
         raise ConfigError(
-            f"kvpack: the tails of {seqs} running requests need {tails / 2**20:.0f} MiB, more than the KV "
-            f"cache space of {cache.kv_cache_memory_bytes / 2**20:.0f} MiB; lower max_num_seqs or raise the space"
+            f"kvpack: {seqs} tail slots ({vllm_config.scheduler_config.max_num_seqs} running requests, twice that "
+            f"with speculative decoding) need {tails / 2**20:.0f} MiB, more than the KV cache space of "
+            f"{cache.kv_cache_memory_bytes / 2**20:.0f} MiB; lower max_num_seqs or raise the space"
         )
     cache.kv_cache_memory_bytes -= tails
     setattr(cache, _PAID, tails)
     logger.info(
-        "kvpack: format %s; %.1f MiB of the KV space hold the full-precision tails of %d requests",
+        "kvpack: format %s; %.1f MiB of the KV space hold %d full-precision tail slots",
         plan.name if plan.overrides else (fmt.name or fmt.spec_string()),
         tails / 2**20,
         seqs,

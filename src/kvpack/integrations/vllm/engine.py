@@ -33,7 +33,8 @@ log-probability given the tokens before it, as the prefill computed it),
 ``tails_left`` (kvpack tails still held once drained, summed over the workers: after the step that tells the
 workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null
 for vLLM's cache),
-``steps``.
+``reserves_reopened`` (with speculative decoding: sealed blocks that rejected drafts wrote into again, from their
+reserves, summed over the workers and the warm-up; null for vLLM's cache), ``steps``.
 """
 
 from __future__ import annotations
@@ -163,9 +164,12 @@ def _main() -> None:
     wall = time.perf_counter() - t0
     while core.scheduler.has_requests():  # the step that tells the workers which requests finished
         llm.llm_engine.step()
-    tails_left = None
+    tails_left = reopened = None
     if job.get("format"):
+        from kvpack.integrations.vllm.hooks import worker_reopened
+
         tails_left = sum(llm.collective_rpc(worker_tails))
+        reopened = sum(llm.collective_rpc(worker_reopened))
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -177,6 +181,7 @@ def _main() -> None:
         "generated_tokens": generated,
         "tokens_per_s": generated / wall if wall > 0 else 0.0,
         "tails_left": tails_left,
+        "reserves_reopened": reopened,
         **stats,
     }
     if job.get("n", 1) > 1:

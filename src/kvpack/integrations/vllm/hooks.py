@@ -22,7 +22,16 @@ from typing import Any
 
 from kvpack.integrations.vllm.tails import TailTable
 
-__all__ = ["install", "layer_specs", "live_tables", "register_table", "request_last_blocks", "worker_tails"]
+__all__ = [
+    "install",
+    "layer_specs",
+    "live_tables",
+    "register_table",
+    "release_request",
+    "request_last_blocks",
+    "worker_reopened",
+    "worker_tails",
+]
 
 _tables: weakref.WeakSet[TailTable] = weakref.WeakSet()
 
@@ -44,6 +53,13 @@ def worker_tails(worker: Any) -> int | None:
     return sum(t.num_allocated for t in tables) if tables else None
 
 
+def worker_reopened(worker: Any) -> int | None:
+    """Reserves written into again in this process's tail tables (speculative decoding: drafts rejected inside a
+    block they sealed), None when it has no table. For ``LLM.collective_rpc``, as :func:`worker_tails`."""
+    tables = live_tables()
+    return sum(t.reopened for t in tables) if tables else None
+
+
 def _release_finished(runner, scheduler_output) -> None:
     tables = live_tables()
     if not tables:
@@ -53,9 +69,16 @@ def _release_finished(runner, scheduler_output) -> None:
         state = runner.requests.get(req_id)
         if state is None:
             continue
-        last = request_last_blocks(state.block_ids)
         for table in tables:
-            table.release_blocks(last)
+            release_request(table, state.block_ids)
+
+
+def release_request(table: TailTable, block_ids: tuple[list[int], ...]) -> int:
+    """Release what a request that ended holds in ``table``: the tail of its last block in each KV cache group's
+    list ``block_ids`` (:func:`request_last_blocks`) and a reserve of the block before it (speculative decoding,
+    :class:`~kvpack.integrations.vllm.tails.TailTable`). Returns how many were released."""
+    before = [int(ids[-2]) for ids in block_ids if len(ids) >= 2]
+    return table.release_blocks(request_last_blocks(block_ids)) + table.release_blocks(before, reserves_only=True)
 
 
 def request_last_blocks(block_ids: tuple[list[int], ...]) -> list[int]:
@@ -65,7 +88,9 @@ def request_last_blocks(block_ids: tuple[list[int], ...]) -> list[int]:
     Every earlier block is full, so sealed, and need not be this request's any more: a sliding-window group's blocks
     that left the window go back to vLLM's free pool while the runner's list still names them, and may by now be
     another request's open block, whose tail must stay. The last block holds the request's latest token, inside
-    any window, so vLLM has not handed it on.
+    any window, so vLLM has not handed it on. With speculative decoding the block before it may hold a reserve
+    (:class:`~kvpack.integrations.vllm.tails.TailTable`), which the hook releases too, and only a reserve: a reserve
+    is the request's own, where a tail there could be another request's.
     """
     return [int(ids[-1]) for ids in block_ids if len(ids)]
 

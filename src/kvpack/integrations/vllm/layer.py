@@ -79,7 +79,9 @@ class PagedLayer:
     """One layer's kvpack state around vLLM's pages: the tails of ``capacity`` open blocks.
 
     Args:
-        fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: tail slots (``max_num_seqs``).
+        fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: running requests (``max_num_seqs``).
+        slots: tail slots (default ``capacity``; twice it with speculative decoding, for the reserves of
+            :class:`~kvpack.integrations.vllm.tails.TailTable`).
         dtype: the model's activation dtype (tails and queries); device: where the pages live.
         window: the layer's sliding window (a query at position ``p`` attends positions ``> p - window``), or
             None. For blocks that left the window vLLM's tables name the null block (id 0) or a stale id that
@@ -99,6 +101,7 @@ class PagedLayer:
         device: torch.device,
         calibration: LayerCalibration | None = None,
         window: int | None = None,
+        slots: int | None = None,
     ) -> None:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"kvpack: a sliding window must be a positive number of tokens, got {window!r}")
@@ -111,7 +114,10 @@ class PagedLayer:
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.capacity, self.device = capacity, torch.device(device)
-        shape = (capacity, kv_heads, fmt.block_size, head_dim)
+        self.slots = capacity if slots is None else slots
+        if self.slots < capacity:
+            raise ConfigError(f"kvpack: {self.slots} tail slots for {capacity} requests; need at least one each")
+        shape = (self.slots, kv_heads, fmt.block_size, head_dim)
         self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
         self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
         self.rotation = key_rotation(head_dim).to(device) if fmt.key.rotate else None

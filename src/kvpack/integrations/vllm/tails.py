@@ -13,6 +13,15 @@ owner), or when the request that owns it finishes or is preempted (:meth:`TailTa
 from the model runner's state update, see :mod:`kvpack.integrations.vllm.hooks`). So a drained engine holds no
 tail, whatever its requests did.
 
+With speculative decoding (``spec_tokens`` draft tokens a step) a step's tokens after its first are drafts, and
+vLLM rolls a request back to the first rejected one by writing there again the next time it runs. A block sealed
+in a step with drafts may be written into again, so its tail is kept as a **reserve** (the tail's rows and the
+step's new rows of the block, in a slot of a second bank of ``capacity``): when the request writes into the block
+again, the reserve becomes its tail once more (the block is open, its page's sealed bytes are never read: a
+kernel reads the block from the tail because the sequence ends inside it) and seals again when it fills; when the
+request's next write starts past the block, or the request ends, the reserve is released. A step's first token
+is never a draft (it is the token the last step sampled), so a block that ends there needs no reserve.
+
 Everything here is numpy over the step's request table; no vLLM import.
 """
 
@@ -85,18 +94,30 @@ class TailTable:
     :attr:`StepPlan.move_dst`), and each layer moves its own before writing; a held tail whose request has no
     row this step keeps its slot unless a row needs it, and then moves to a slot no row uses."""
 
-    def __init__(self, num_blocks: int, capacity: int, block_size: int, sink: int = 0) -> None:
+    def __init__(self, num_blocks: int, capacity: int, block_size: int, sink: int = 0, spec_tokens: int = 0) -> None:
         if capacity < 1 or num_blocks < 1:
             raise ValueError(f"need at least one block and one tail slot, got {num_blocks} / {capacity}")
+        if not 0 <= spec_tokens < block_size:
+            raise ValueError(f"draft tokens per step must be in [0, block_size={block_size}), got {spec_tokens}")
         self.block_size = block_size
         self.sink = sink
         self.capacity = capacity
+        self.spec_tokens = spec_tokens
+        # slots: one per running request, and with drafts one more per request for a reserve (the module docstring)
+        self.slots = capacity * (2 if spec_tokens else 1)
         self.slot_of_block = np.full(num_blocks, -1, dtype=np.int64)
+        self.reserved = np.zeros(num_blocks, dtype=bool)  # the block's slot holds a sealed block's reserve
+        self.reopened = 0  # reserves written into again (drafts rejected inside a block they sealed), all steps
 
     @property
     def num_allocated(self) -> int:
-        """Tails held now (zero once the engine has drained)."""
+        """Tails and reserves held now (zero once the engine has drained)."""
         return int(np.count_nonzero(self.slot_of_block >= 0))
+
+    @property
+    def num_reserved(self) -> int:
+        """Reserves held now (sealed blocks that drafts may still write into)."""
+        return int(np.count_nonzero(self.reserved))
 
     def ensure_blocks(self, num_blocks: int) -> None:
         """Grow the block map to ``num_blocks`` ids (vLLM sizes its pool after the builders exist)."""
@@ -105,14 +126,21 @@ class TailTable:
             grown = np.full(num_blocks, -1, dtype=np.int64)
             grown[:have] = self.slot_of_block
             self.slot_of_block = grown
+            flags = np.zeros(num_blocks, dtype=bool)
+            flags[:have] = self.reserved
+            self.reserved = flags
 
-    def release_blocks(self, block_ids) -> int:
-        """Release the tails of these blocks (a finished or preempted request's blocks); returns how many."""
+    def release_blocks(self, block_ids, reserves_only: bool = False) -> int:
+        """Release the tails of these blocks (a finished or preempted request's blocks), or with ``reserves_only``
+        only their reserves; returns how many."""
         n = 0
         for bid in block_ids:
             bid = int(bid)
             if 0 <= bid < self.slot_of_block.shape[0] and self.slot_of_block[bid] >= 0:
+                if reserves_only and not self.reserved[bid]:
+                    continue
                 self.slot_of_block[bid] = -1
+                self.reserved[bid] = False
                 n += 1
         return n
 
@@ -152,10 +180,28 @@ class TailTable:
         k_pos: list[int] = []
         released: list[int] = []  # blocks whose tail ends this step (sealed, or the id starts over)
         rows_of: dict[int, int] = {}  # block id -> the row whose open block it is after the step
+        kept: dict[int, int] = {}  # block id -> the slot of its reserve: sealed this step, a draft inside
+        kept_moves: list[tuple[int, int]] = []
+        reopens = 0
+        drafts = self.spec_tokens
+        if drafts:  # a request writing past a reserved block will not write into it again: release the reserve
+            for i in range(r):
+                c = int(start[i])
+                if sl[i] > c >= b:
+                    prev = int(block_table[i, c // b - 1])
+                    if prev and self.reserved[prev]:
+                        released.append(prev)
+        held = {int(x): int(self.slot_of_block[x]) for x in np.nonzero(self.slot_of_block >= 0)[0]}
+        freed = set(released)
+        # reserve slots: none a row of this step reads, none a tail or reserve held now holds
+        free = iter(sorted(set(range(r, self.slots)) - {slot for x, slot in held.items() if x not in freed}))
         for i in range(r):
             c, n, q0 = int(start[i]), int(sl[i]), int(qs[i])
             if n <= c:
                 continue
+            # the last block this step seals keeps a reserve when a draft lies in it (positions after c)
+            last = n // b - 1
+            keep = last if drafts and ql[i] <= 1 + drafts and last >= c // b and (last + 1) * b > c + 1 else -1
             for j in range(c // b, (n - 1) // b + 1):
                 bid = int(block_table[i, j])
                 if bid == 0:  # vLLM's null block (dummy and padded rows): never stored, never read
@@ -164,6 +210,7 @@ class TailTable:
                 e = min(n - j * b, b)
                 tok0 = q0 + j * b + s - c
                 have = int(self.slot_of_block[bid])
+                reopens += s > 0 and have >= 0 and bool(self.reserved[bid])
                 if s > 0 and have < 0:
                     raise TailError(
                         f"a request writes position {j * b + s} into block {bid}, which holds {s} tokens and no "
@@ -171,6 +218,25 @@ class TailTable:
                         "from a partial prefix-cache hit or a KV transfer that the kvpack backend refuses; "
                         "disable it (see docs/vllm.md)"
                     )
+                if e == b and j == keep:  # sealed, and its rows kept in a reserve slot
+                    slot = have if have >= 0 and self.reserved[bid] else next(free, None)
+                    if slot is None:
+                        raise PoolExhaustedError(
+                            f"no tail slot is free for the reserve of block {bid} (speculative decoding keeps one "
+                            f"per request): more running requests than the {self.capacity} the backend was sized "
+                            "for; keep --max-num-seqs at the value the engine started with"
+                        )
+                    kept[bid] = slot
+                    if have >= 0 and have != slot:
+                        kept_moves.append((have, slot))
+                    s_blk.append(bid)
+                    s_slot.append(have if s > 0 else -1)
+                    s_from.append(s)
+                    s_tok.append(tok0)
+                    w_tok += range(tok0, tok0 + b - s)  # after the seal and the moves: the reserve's new rows
+                    w_off += range(s, b)
+                    w_slot += [slot] * (b - s)
+                    continue
                 if have >= 0 and (s == 0 or e == b):
                     released.append(bid)  # sealed now, or handed to a new owner (its old tail is garbage)
                 if e == b:
@@ -191,30 +257,36 @@ class TailTable:
         # tails held by requests with no row this step keep their slot unless a row takes it
         gone = set(released)
         rowed = set(rows_of.values())
-        parked = [
-            bid for bid in np.nonzero(self.slot_of_block >= 0)[0].tolist() if bid not in rows_of and bid not in gone
-        ]
-        staying = {int(self.slot_of_block[bid]) for bid in parked} - rowed
-        spare = iter(sorted(set(range(cap)) - rowed - staying))
+        parked = [bid for bid in held if bid not in rows_of and bid not in gone and bid not in kept]
+        staying = {held[bid] for bid in parked} - rowed
+        spare = iter(sorted(set(range(self.slots)) - rowed - staying - set(kept.values())))
         new_slot: dict[int, int] = dict(rows_of)
         for bid in parked:
-            old = int(self.slot_of_block[bid])
+            old = held[bid]
             if old in rowed:
                 slot = next(spare, None)
                 if slot is None:
                     raise PoolExhaustedError(
                         f"{len(parked)} requests without a row this step and {len(rowed)} with one hold more open "
-                        f"blocks than the {cap} tail slots: more running requests than the backend was sized for; "
-                        "keep --max-num-seqs at the value the engine started with"
+                        f"blocks than the {self.slots} tail slots: more running requests than the backend was sized "
+                        "for; keep --max-num-seqs at the value the engine started with"
                     )
                 new_slot[bid] = slot
-        moves = [(int(self.slot_of_block[bid]), slot) for bid, slot in new_slot.items()
-                 if 0 <= self.slot_of_block[bid] != slot and bid not in gone]  # fmt: skip
+        moves = [(held[bid], slot) for bid, slot in new_slot.items()
+                 if bid in held and held[bid] != slot and bid not in gone]  # fmt: skip
+        moves += kept_moves
         # -- commit -------------------------------------------------------------------------------------
         for bid in gone:
             self.slot_of_block[bid] = -1
+            self.reserved[bid] = False
         for bid, slot in new_slot.items():
             self.slot_of_block[bid] = slot
+        for bid in rows_of:
+            self.reserved[bid] = False  # a reserve written into again is the block's tail once more
+        for bid, slot in kept.items():
+            self.slot_of_block[bid] = slot
+            self.reserved[bid] = True
+        self.reopened += reopens
         return StepPlan(
             tail_slot=np.arange(r, dtype=np.int64),
             write_tok=_i64(w_tok),
