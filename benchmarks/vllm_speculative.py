@@ -5,11 +5,12 @@ prefix plus 40-200 tokens of their own, 64 greedy tokens each, 8 running at most
 layer after the tails (vLLM's own float32 cache gets twice the space). Four engines, each in a fresh process: vLLM's
 own cache and kvpack ``int8``, each without and with ``ngram`` drafting (``num_speculative_tokens`` 3, lookup of
 2-4 tokens); with drafts the kvpack engine gets the space its second tail slots take on top, so that it holds the
-same pages. Greedy drafting changes no greedy token of a given cache, so ``identical_to_stock`` (sequences whose 64
+same pages. ``--repeat N`` runs the four N times, alternated, and reports the median times. Greedy drafting changes no
+greedy token of a given cache, so ``identical_to_stock`` (sequences whose 64
 tokens are vLLM's own float32 cache's) moves only through the cache's numbers; ``reserves_reopened`` counts the
 sealed blocks that rejected drafts wrote into again.
 
-    python benchmarks/vllm_speculative.py --threads 2 --out benchmarks/results/vllm_speculative_cpu.json
+    python benchmarks/vllm_speculative.py --threads 2 --repeat 3 --out benchmarks/results/vllm_speculative_cpu.json
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import platform
 import subprocess
 
+import numpy as np
 import torch
 
 from kvpack import parse_format
@@ -36,6 +38,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads of each engine (default 2)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the four engines, alternated (default 1)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     path = str(ensure_converted())
@@ -51,20 +54,25 @@ def main() -> None:
         "int8": {"format": "int8", "kv_bytes": space},
         "int8 + ngram": {"format": "int8", "kv_bytes": space + tails, **spec},
     }
-    results = {name: run_engine({**job, **extra}) for name, extra in runs.items()}
+    rounds = [{name: run_engine({**job, **extra}) for name, extra in runs.items()} for _ in range(args.repeat)]
+    results = rounds[0]  # every column but the times is the same in every round (greedy, one schedule)
     ref = results["vllm-default"]["outputs"]
     rows = []
     for name, r in results.items():
+        walls = [rd[name]["wall_s"] for rd in rounds]
+        rates = [rd[name]["tokens_per_s"] for rd in rounds]
         rows.append({
-            "provider": name, "steps": r["steps"], "wall_s": round(r["wall_s"], 2),
-            "tokens_per_s": round(r["tokens_per_s"], 1), "kv_capacity_tokens": r["kv_capacity_tokens"],
+            "provider": name, "steps": r["steps"], "wall_s": round(float(np.median(walls)), 2),
+            "tokens_per_s": round(float(np.median(rates)), 1), "tokens_per_s_runs": [round(x, 1) for x in rates],
+            "kv_capacity_tokens": r["kv_capacity_tokens"],
             "preemptions": r["preemptions"], "identical_to_stock": sum(a == b for a, b in zip(r["outputs"], ref)),
             "sequences": len(ref), "reserves_reopened": r.get("reserves_reopened"), "tails_left": r["tails_left"],
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        meta = {"command": f"python benchmarks/vllm_speculative.py --threads {args.threads} --out {args.out}",
+        cmd = f"python benchmarks/vllm_speculative.py --threads {args.threads} --repeat {args.repeat} --out {args.out}"
+        meta = {"command": cmd,
                 "commit": commit, "machine": f"{platform.machine()}, {args.threads} threads", "torch": torch.__version__,
                 "speculative_config": NGRAM}  # fmt: skip
         atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
