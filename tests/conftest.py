@@ -12,6 +12,24 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# The test files that take longest (minutes of vLLM engines or of numba compiling), longest first. pytest-xdist
+# (`--dist loadfile`, what `make test` runs) hands files to its workers in collection order; collected by name,
+# these would all come last and leave one worker running them while the other idles. Sorted to the front, the short
+# files fill in around them.
+LONG_FILES = (
+    "test_vllm_sliding.py", "test_kernel_cpu.py", "test_vllm_engine.py", "test_vllm_parallel.py",
+    "test_kernel_cpu_strided.py", "test_vllm_families.py", "test_kernel_cpu_core.py", "test_format_families.py",
+    "test_vllm_engine_lifecycle.py", "test_hf_embedded.py", "test_kernel_triton.py", "test_kernel_cpu_chunk.py",
+    "test_vllm_serve.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Long files first (:data:`LONG_FILES`), the rest in their usual order; the order inside a file is kept."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
