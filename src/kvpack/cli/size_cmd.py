@@ -85,15 +85,11 @@ def parse_mem(text: str, flag: str) -> int:
     return n
 
 
-def _positive_int(text: str, flag: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", str(text)) or int(text) <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {text!r}")
-    return int(text)
-
-
-def _nonneg_int(text: str, flag: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", str(text)):
-        raise ConfigError(f"{flag} must be a whole number (0 or more), got {text!r}")
+def _positive_int(text: str, flag: str, zero: bool = False) -> int:
+    """``text`` as an integer above 0 (``zero``: 0 or above), else a ConfigError naming ``flag``."""
+    if not re.fullmatch(r"\s*\d+\s*", str(text)) or int(text) < (0 if zero else 1):
+        what = "a whole number (0 or more)" if zero else "a positive integer"
+        raise ConfigError(f"{flag} must be {what}, got {text!r}")
     return int(text)
 
 
@@ -293,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         shared_prefix=prefix,
         skip_invalid=not args.formats,  # explicit formats must all work; the default list drops misfits
         vllm=_vllm(args),
-        speculative=_nonneg_int(args.num_speculative_tokens, "--num-speculative-tokens") > 0,
+        speculative=_positive_int(args.num_speculative_tokens, "--num-speculative-tokens", zero=True) > 0,
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -199,7 +199,7 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
         method = getattr(spec, "method", None)
-        drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+        drafts = spec_tokens(vllm_config)
         if method not in DRAFT_FREE_METHODS:
             reasons.append(
                 f"speculative decoding with method {method!r}: its drafter has attention layers of its own, which "
