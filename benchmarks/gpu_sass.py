@@ -31,13 +31,13 @@ from kvpack.kernels import triton_decode as td
 from kvpack.testing import random_paged_kv
 
 
-def loop_row(name: str, codes: str, q_dtype: torch.dtype) -> dict:
+def loop_row(name: str, codes: str, q_dtype: torch.dtype, head_dim: int = 128) -> dict:
     """Compile the decode kernel for one preset and codes; summarize its block loop."""
     fmt = parse_format(name)
-    kv, _, _ = random_paged_kv(fmt, [300, 70], kv_heads=8, head_dim=128, tail_dtype=q_dtype)
+    kv, _, _ = random_paged_kv(fmt, [300, 70], kv_heads=8, head_dim=head_dim, tail_dtype=q_dtype)
     if fmt.key.rotate:  # a fused backend gets the rotated query and an unrotated view (kernels.run_backend)
         kv = replace(kv, key_rotation=None)
-    q = torch.randn(2, 32, 128, dtype=q_dtype)
+    q = torch.randn(2, 32, head_dim, dtype=q_dtype)
     usage = td.compile_launch(td.build_launches(q, kv, num_splits=2, codes=codes)[0][0])
     ops = usage.pop("loop_ops")
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", nargs="+", default=["fp16", "int8", "fp8-plain", "fp8-o4", "int4", "k8v4", "kivi2"])
     p.add_argument("--codes", nargs="+", default=["ptx", "bits", "convert"], choices=sorted(td.CODES))
     p.add_argument("--q-dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128; 80 or 96 pad the tiles)")
     args = p.parse_args(argv)
     q_dtype = getattr(torch, args.q_dtype)
     head = f"{'format':<10} {'codes':<8} {'regs':>5} {'shared':>7} {'loop':>5} {'LDS.U8':>7} {'cvt':>5} {'HMMA':>5}"
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     for name in args.formats:
         for codes in args.codes:
-            r = loop_row(name, codes, q_dtype)
+            r = loop_row(name, codes, q_dtype, args.head_dim)
             print(f"{name:<10} {codes:<8} {r['registers']:>5} {r['shared']:>7} {r['loop']:>5} {r['byte_lds']:>7} "
                   f"{r['converts']:>5} {r['hmma']:>5}", flush=True)  # fmt: skip
     return 0
