@@ -1911,17 +1911,19 @@ def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tail
     the GIL and wakes threads that then wait for cores torch's own OpenMP workers still hold: on the 2-core
     development VM, int4 decode of 32 requests x ~450 tokens (3 kv heads, head_dim 64) right after a matrix
     product took 2.1 ms on a Python thread pool and 0.7 ms here (1.0 and 0.6 ms called on their own)."""
+    # ``t`` as int64 here and in launch_one: one compile of :func:`work` serves both (as prange's uint64 and a literal
+    # 0, work compiled three times: 75 s more of the first compile on one core)
     for t in prange(n):
-        _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
-                    seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+        _run_thread(np.int64(t), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
+                    tables, seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
 
 
 @njit(nogil=True, cache=True)
 def launch_one(runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
                start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`launch` on the calling thread alone (no parallel region: one run of items)."""
-    _run_thread(0, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
-                seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+    _run_thread(np.int64(0), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
+                tables, seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True)
