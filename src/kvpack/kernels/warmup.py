@@ -1,7 +1,7 @@
 """The CPU kernels' first compile: tell whether numba's disk cache holds them, and compile them on purpose.
 
 The fused CPU kernels (:mod:`kvpack.kernels.cpu_decode_numba`, :mod:`kvpack.kernels.cpu_chunk_numba`) are numba
-functions cached on disk (``cache=True``): the first run on a machine compiles them (about 80 s on two cores),
+functions cached on disk (``cache=True``): the first run on a machine compiles them (about 4 minutes on one core),
 later runs load them in about a second. One compile serves every format (pools arrive as flat typed views and
 the payload kinds are all compiled at once), so a run can compile them up front, where it can say so, instead
 of inside the first attention call while a progress bar sits at 0%.
