@@ -5,6 +5,7 @@ process, with timers around the parts of each layer's step (the engine's warm-up
     python benchmarks/vllm_time_split.py --format int8 --full     # the default (longer) workload
     python benchmarks/vllm_time_split.py --format int4 --dtype bfloat16   # a bfloat16 model
     python benchmarks/vllm_time_split.py --format int4 --full --model gemma3-270m   # sliding-window layers
+    python benchmarks/vllm_time_split.py --format int8 --ngram    # with vLLM's n-gram drafts (embedded, float32)
 
 Prints, per part, its total seconds, its calls and microseconds per call: the whole attention layer
 (``forward``), its writes (``write``: the seals, of which the compiled gathering and quantization, and the tail
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
     ap.add_argument("--dtype", default="float32", help="the model's dtype: float32 (default), bfloat16, float16")
     ap.add_argument("--model", default=None, help="a model folder or registered test model (default: the embedded)")
+    ap.add_argument("--ngram", action="store_true", help="vLLM's n-gram drafting, as benchmarks/vllm_speculative.py")
     args = ap.parse_args()
     from kvpack.bench.vllm import base_job, provider_job
     from kvpack.integrations.vllm import engine
@@ -87,6 +89,19 @@ def main() -> None:
 
     model = None if args.model is None else str(resolve_model_path(args.model))
     job = {**base_job(quick=not args.full, model=model, dtype=args.dtype), **provider_job(args.format)}
+    if args.ngram:
+        if model is not None or args.dtype != "float32":
+            ap.error("--ngram sizes the reserves' extra space for the embedded model in float32 only")
+        import torch
+        from vllm_speculative import HEAD_DIM, KV_HEADS, LAYERS, NGRAM
+
+        from kvpack import parse_format
+        from kvpack.integrations.vllm.config import tail_pool_bytes
+
+        # the second tail slots (the reserves) come on top of the space, so the pages stay the same
+        reserves = tail_pool_bytes(parse_format(args.format), LAYERS, KV_HEADS, HEAD_DIM, torch.float32,
+                                   job["max_num_seqs"])  # fmt: skip
+        job |= {"kv_bytes": job["kv_bytes"] + reserves, "engine_kwargs": {"speculative_config": NGRAM}}
     _install()
     sys.stdin = io.StringIO(json.dumps(job))
     out = io.StringIO()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from kvpack.calibration.static import StaticScales
 from kvpack.errors import CalibrationError, NonFiniteError, PoolExhaustedError, ShapeError
 from kvpack.integrations.vllm.calibration import LayerCalibration, layer_calibration, worker_heads
 from kvpack.integrations.vllm.hooks import release_request
-from kvpack.integrations.vllm.layer import PagedLayer, StepTensors
+from kvpack.integrations.vllm.layer import DECODE_QUERIES, PagedLayer, StepTensors
 from kvpack.integrations.vllm.layout import ALIGN, PageLayout
 from kvpack.integrations.vllm.tails import TailError, TailTable
 from kvpack.kernels import cpu_seal
@@ -311,7 +312,7 @@ class _Sim:
         for i, (_, _, b) in enumerate(rows):
             bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
         plan = self.table.plan(qs, sl, bt.numpy())
-        st = StepTensors.from_plan(plan, bt)
+        st = StepTensors.from_plan(plan, bt, self.b)
         key, value = torch.cat(toks_k), torch.cat(toks_v)
         query = torch.randn(int(qs[-1]), HQ, self.d, generator=self.gen)
         self.layer.write(self.kv_cache, plan, key, value)
@@ -405,6 +406,31 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
         for rid in list(sim.reqs):
             sim.end(rid)
         assert sim.table.num_allocated == 0
+
+
+def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
+    """Requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel, one call per
+    query position: all requests with the tails in place when most take part, the members' tails gathered when few
+    do. A request whose queries reach back into a block the step sealed, or with more queries, is a chunk row."""
+    b = 16
+    ql = np.array([1, 4, 1, 1, 20, 3, DECODE_QUERIES + 1])
+    sl = np.array([30, 36, 17, 5, 40, 33, 60])  # request 5: 33 % 16 = 1, its first query is in the block sealed
+    qs = np.concatenate([[0], np.cumsum(ql)])
+    plan = types.SimpleNamespace(query_lens=ql, seq_lens=sl, query_start=qs)
+    st = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32), b)
+    assert st.prefill_rows.tolist() == [4, 5, 6] and not st.decode_dense
+    last = qs[:7] + ql - 1
+    first, *rest = st.passes
+    assert first.rows is None and first.back is None  # 4 of 7: every request, the others' outputs dropped
+    assert first.tokens.tolist() == last.tolist() and first.keep.tolist() == [0, 1, 2, 3]
+    assert first.dst.tolist() == last[:4].tolist()
+    assert len(rest) == 3  # request 1's three earlier queries, its tail gathered alone
+    for k, p in enumerate(rest, start=1):
+        assert p.rows.tolist() == [1] and p.back.tolist() == [k] and p.keep is None
+        assert p.tokens.tolist() == p.dst.tolist() == [last[1] - k]
+    dense = StepTensors.from_plan(types.SimpleNamespace(query_lens=np.ones(3, np.int64), seq_lens=sl[:3],
+                                                        query_start=np.arange(4)), torch.zeros(3, 4), b)  # fmt: skip
+    assert dense.decode_dense
 
 
 def _schedule(sim: _Sim) -> None:

@@ -174,7 +174,7 @@ class KVPackMetadataBuilder(AttentionMetadataBuilder[KVPackMetadata]):
         tbl = table.cpu().numpy()
         self.table.ensure_blocks(int(tbl.max()) + 1 if tbl.size else 0)
         plan = self.table.plan(qs, sl, tbl)
-        return KVPackMetadata(plan, StepTensors.from_plan(plan, table), int(qs[-1]), self.table)
+        return KVPackMetadata(plan, StepTensors.from_plan(plan, table, self.table.block_size), int(qs[-1]), self.table)
 
 
 def _worker_heads(kv_heads: int) -> tuple[int, int] | None:
