@@ -409,9 +409,10 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
 
 
 def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
-    """Requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel, one call per
-    query position: all requests with the tails in place when most take part, the members' tails gathered when few
-    do. A request whose queries reach back into a block the step sealed, or with more queries, is a chunk row."""
+    """On the CPU, requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel,
+    one call per query position: all requests with the tails in place when most take part, the members' tails
+    gathered when few do. A request whose queries reach back into a block the step sealed, or with more queries, is a
+    chunk row."""
     b = 16
     ql = np.array([1, 4, 1, 1, 20, 3, DECODE_QUERIES + 1])
     sl = np.array([30, 36, 17, 5, 40, 33, 60])  # request 5: 33 % 16 = 1, its first query is in the block sealed
@@ -431,6 +432,9 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     dense = StepTensors.from_plan(types.SimpleNamespace(query_lens=np.ones(3, np.int64), seq_lens=sl[:3],
                                                         query_start=np.arange(4)), torch.zeros(3, 4), b)  # fmt: skip
     assert dense.decode_dense
+    # off the CPU the decode kernel reads the history once per call: only single queries decode there
+    gpu_like = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32, device="meta"), b)
+    assert gpu_like.prefill_rows.tolist() == [1, 4, 5, 6] and len(gpu_like.passes) == 1
 
 
 def _schedule(sim: _Sim) -> None:

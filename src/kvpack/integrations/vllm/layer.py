@@ -43,8 +43,9 @@ __all__ = ["DECODE_QUERIES", "DecodePass", "PagedLayer", "StepTensors"]
 # A request with up to this many queries in a step (a token and its drafts, a short prefill chunk) is read by the
 # decode kernel, one call per query position, rather than by the chunk kernel, when its queries share the open
 # block: the chunk kernel decodes every block to floats for any number of queries and costs ~9x a decode call at
-# one query (32 requests of ~350 int8 tokens: 3.5 ms against 0.4 ms on two threads, 3.9 ms at four queries, 5.1 ms
-# at eight).
+# one query (32 requests of ~350 int8 tokens on two threads: 3.5 ms against 0.38 ms, 4.4 ms at four queries, 5.0 ms
+# at eight; int4 13x: benchmarks/cpu_few_queries.py). On a GPU the decode kernel is bound by the bytes it reads,
+# which a call per query multiplies, and the chunk kernel reads them once: there only single queries decode.
 DECODE_QUERIES = 8
 
 
@@ -73,9 +74,9 @@ class StepTensors:
     Attributes:
         block_table: ``[R, W]`` int32 block ids.
         seq_lens: ``[R]`` int32 tokens per request after the step.
-        passes: the decode-kernel calls (:class:`DecodePass`): requests with one query, and those with up to
-            :data:`DECODE_QUERIES` whose queries all lie in the open block (the query ``k`` places before the last
-            reads the history cut by ``k``, which keeps the same sealed blocks and the tail's first rows).
+        passes: the decode-kernel calls (:class:`DecodePass`): requests with one query, and on the CPU those with
+            up to :data:`DECODE_QUERIES` whose queries all lie in the open block (the query ``k`` places before the
+            last reads the history cut by ``k``, which keeps the same sealed blocks and the tail's first rows).
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
     """
@@ -93,7 +94,8 @@ class StepTensors:
         r = ql.size
         dev = block_table.device
         # the k-th query before the last sees the history cut by k: the same blocks while k <= seq_len % block_size
-        decodable = (ql == 1) | ((ql <= DECODE_QUERIES) & (ql - 1 <= sl % block_size))
+        most = DECODE_QUERIES if dev.type == "cpu" else 1
+        decodable = (ql == 1) | ((ql <= most) & (ql - 1 <= sl % block_size))
         dense = bool(0 < r == int(np.count_nonzero(ql == 1)) and np.array_equal(qs[:r], np.arange(r)))
         last = qs[:r] + ql - 1
         passes = []
