@@ -17,10 +17,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # these would all come last and leave one worker running them while the other idles. Sorted to the front, the short
 # files fill in around them.
 LONG_FILES = (
-    "test_vllm_sliding.py", "test_kernel_cpu.py", "test_vllm_engine.py", "test_vllm_parallel.py",
+    "test_vllm_sliding.py", "test_kernel_cpu.py", "test_vllm_serve.py", "test_vllm_engine.py", "test_vllm_parallel.py",
     "test_kernel_cpu_strided.py", "test_vllm_families.py", "test_kernel_cpu_core.py", "test_format_families.py",
     "test_vllm_engine_lifecycle.py", "test_hf_embedded.py", "test_kernel_triton.py", "test_kernel_cpu_chunk.py",
-    "test_vllm_serve.py",
 )  # fmt: skip
 
 
