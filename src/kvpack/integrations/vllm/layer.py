@@ -103,18 +103,15 @@ class StepTensors:
             member = decodable & (ql > k)
             idx = np.nonzero(member)[0]
             tok = last - k
-            if 2 * idx.size >= r:  # most requests: all of them, tails in place, the others' outputs dropped
-                back = np.where(member, k, 0)
-                passes.append(DecodePass(
-                    rows=None, tokens=_dev(np.where(member, tok, last), dev),
-                    back=_dev(back.astype(np.int32), dev) if k else None,
-                    keep=None if idx.size == r else _dev(idx, dev), dst=_dev(tok[idx], dev),
-                ))  # fmt: skip
-            else:
-                passes.append(DecodePass(
-                    rows=_dev(idx, dev), tokens=_dev(tok[idx], dev),
-                    back=_dev(np.full(idx.size, k, np.int32), dev) if k else None, keep=None, dst=_dev(tok[idx], dev),
-                ))  # fmt: skip
+            everyone = 2 * idx.size >= r  # most requests: all of them, tails in place, the others' outputs dropped
+            back = np.where(member, k, 0) if everyone else np.full(idx.size, k)
+            passes.append(DecodePass(
+                rows=None if everyone else _dev(idx, dev),
+                tokens=_dev(np.where(member, tok, last) if everyone else tok[idx], dev),
+                back=_dev(back.astype(np.int32), dev) if k else None,
+                keep=_dev(idx, dev) if everyone and idx.size < r else None,
+                dst=_dev(tok[idx], dev),
+            ))  # fmt: skip
         return cls(
             block_table=block_table.to(torch.int32),
             seq_lens=torch.from_numpy(sl.astype(np.int32)).to(dev),
