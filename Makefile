@@ -59,16 +59,24 @@ lint: install
 
 # Two workers, whole files each (module fixtures and the numba/triton disk caches are per file and shared safely):
 # most tests keep one core busy, so two workers halve the wall time on a 2-core machine.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 # The chunk kernel's other instruction-set builds (each a child process compiling it afresh) are tested in the
 # main environment; here only the build this CPU takes, which keeps `make test` within CI's 30 minutes.
 LATEST_DESELECT := --deselect tests/test_kernel_cpu_chunk.py::test_every_build_of_the_product_matches_reference
 
-test-latest: install-latest
-	$(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS) $(LATEST_DESELECT)
+# The newest environment keeps its own numba cache: numba drops a cache index that another numba version wrote, so
+# the two environments would otherwise compile the CPU kernels over each other's.
+LATEST_ENV := NUMBA_CACHE_DIR=$(abspath $(LATEST))/numba-cache
+# The CPU kernels' first compile (numba, about 4 minutes on one core) before the tests, both environments at once
+# (LLVM compiles on one core): left to pytest, each of its two workers compiles them itself, at the same time.
+WARM_UP := -c 'from kvpack.kernels.warmup import warm_up; print(f"CPU kernels ready in {warm_up():.0f} s")'
 
-test: lint
+test-latest: install-latest
+	$(LATEST_ENV) $(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS) $(LATEST_DESELECT)
+
+test: lint install-latest
+	$(PY) $(WARM_UP) & main=$$!; $(LATEST_ENV) $(LPY) $(WARM_UP) && wait $$main
 	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 	$(MAKE) test-latest
 
