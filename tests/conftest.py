@@ -12,8 +12,9 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# The test files that take longest (minutes of vLLM engines or of numba compiling), longest first. pytest-xdist
-# (`--dist loadfile`, what `make test` runs) hands files to its workers in collection order; collected by name,
+# The test files that take longest (minutes of vLLM engines), longest first. pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, what `make test` runs; without the flag it re-sorts files by their number of tests) hands
+# files to its workers in collection order, each a file when it is nearly done with the last; collected by name,
 # these would all come last and leave one worker running them while the other idles. Sorted to the front, the short
 # files fill in around them.
 LONG_FILES = (
