@@ -69,14 +69,15 @@ LATEST_DESELECT := --deselect tests/test_kernel_cpu_chunk.py::test_every_build_o
 # the two environments would otherwise compile the CPU kernels over each other's.
 LATEST_ENV := NUMBA_CACHE_DIR=$(abspath $(LATEST))/numba-cache
 # The CPU kernels' first compile (numba, about 4 minutes on one core) before the tests, both environments at once
-# (LLVM compiles on one core): left to pytest, each of its two workers compiles them itself, at the same time.
+# (LLVM compiles on one core): left to pytest, each of its two workers compiles them itself, at the same time
+# (the newest environment installs while the main one compiles).
 WARM_UP := -c 'from kvpack.kernels.warmup import warm_up; print(f"CPU kernels ready in {warm_up():.0f} s")'
 
 test-latest: install-latest
 	$(LATEST_ENV) $(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS) $(LATEST_DESELECT)
 
-test: lint install-latest
-	$(PY) $(WARM_UP) & main=$$!; $(LATEST_ENV) $(LPY) $(WARM_UP) && wait $$main
+test: lint
+	$(PY) $(WARM_UP) & main=$$!; $(MAKE) install-latest && $(LATEST_ENV) $(LPY) $(WARM_UP) && wait $$main
 	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 	$(MAKE) test-latest
 

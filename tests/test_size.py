@@ -418,6 +418,32 @@ def test_size_says_what_the_tails_take_and_when_they_cost_more_than_they_buy(cap
     assert "fewer tokens than vLLM's own cache" not in text
 
 
+def test_size_names_the_smaller_block_that_holds_more_where_the_tails_take_the_space(capsys) -> None:
+    """Each running request's tail is one full-precision block, so in a small space a smaller block holds more
+    tokens despite its extra scale bytes; the suggestion is the block size with the most tokens, checked against
+    vllm_capacity_tokens of that format (measured through vLLM: int4,block=32 in 192 MiB float32 held 17,824)."""
+    shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--context", "512"]
+    args = [*shape, "--format", "int8,int4", "--vllm-space", "96MiB", "--max-num-seqs", "32", "--dtype", "bfloat16"]
+    rows = run_json(capsys, *args)["formats"]
+    got = {r["format"]: r["vllm_smaller_block"] for r in rows}
+    for name, block in (("int8", 16), ("int4", 32)):  # int8 gains most from the shortest tails, int4 from 32
+        fmt = parse_format(name)
+        want = {b: vllm_capacity_tokens(fmt.with_block_size(b), 30, 3, 64, 2, 96 * 2**20, 32) for b in (16, 32)}
+        assert got[name] == {"format": f"{name},block={block}", "block_size": block, "vllm_tokens": want[block]}
+        assert want[block] == max(want.values()) >= 1.05 * next(r["vllm_tokens"] for r in rows if r["format"] == name)
+    main(["size", *args])
+    assert "smaller blocks hold more tokens here: int8 -> 'int8,block=16' 6,016, int4 -> 'int4,block=32' 9,728" in (
+        capsys.readouterr().out
+    )
+    # a format already at the smallest block gets no suggestion, nor any where the tails are a small share
+    smallest = run_json(capsys, *[a if a != "int8,int4" else "int4,block=16" for a in args])["formats"]
+    assert [r["format"] for r in smallest] == ["int4,block=16"] and "vllm_smaller_block" not in smallest[0]
+    big = [*shape, "--format", "int8,int4", "--vllm-space", "4GiB", "--max-num-seqs", "32", "--dtype", "bfloat16"]
+    assert all("vllm_smaller_block" not in r for r in run_json(capsys, *big)["formats"])
+    assert main(["size", *big]) == 0
+    assert "smaller blocks" not in capsys.readouterr().out
+
+
 def test_vllm_groups_a_sliding_window_model_by_attention_type() -> None:
     """vLLM's rule (``_get_kv_cache_groups_uniform_page_size``): groups as large as the rarest attention type, or
     as the commonest when no type has 1.5x the rarest's layers."""

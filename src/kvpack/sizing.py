@@ -37,6 +37,7 @@ __all__ = [
     "vllm_layers_per_block",
     "vllm_page",
     "vllm_refusal",
+    "vllm_smaller_block",
     "vllm_tail_bytes",
 ]
 
@@ -165,6 +166,8 @@ class FormatRow:
     vllm_tokens: int | None = None  # tokens vLLM holds with the kvpack backend in the given KV space
     vllm_refused: str | None = None  # why the kvpack vLLM backend does not serve this format on this model
     vllm_tail_bytes: int | None = None  # of the KV space, what the backend's full-precision tails take
+    # the same format with a smaller block that holds more tokens in that space (shorter tails), and its tokens
+    vllm_smaller_block: tuple[KVFormat, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -191,6 +194,9 @@ class FormatRow:
             d["vllm_refused"] = self.vllm_refused
         if self.vllm_tail_bytes is not None:
             d["vllm_tail_bytes"] = self.vllm_tail_bytes
+        if self.vllm_smaller_block is not None:
+            fmt, tokens = self.vllm_smaller_block
+            d["vllm_smaller_block"] = {"format": fmt.name, "block_size": fmt.block_size, "vllm_tokens": tokens}
         return d
 
 
@@ -359,6 +365,7 @@ def estimate(
         if vllm is not None:
             row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
             row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], slots)
+            row.vllm_smaller_block = vllm_smaller_block(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
@@ -524,6 +531,44 @@ def vllm_tail_bytes(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int, ac
     """The kvpack backend's full-precision tails in vLLM: one block of K and V per layer for each of ``seqs``
     running requests (``max_num_seqs``), paid from the KV space."""
     return seqs * layers * fmt.tail_bytes(kv_heads, head_dim, act_bytes)
+
+
+# Smaller blocks tried where the tails take much of a vLLM space, and the least gain in tokens worth naming
+VLLM_SMALLER_BLOCKS = (32, 16)
+VLLM_SMALLER_BLOCK_GAIN = 1.05
+
+
+def vllm_smaller_block(
+    fmt: KVFormat,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    act_bytes: int,
+    space_bytes: int,
+    seqs: int,
+    windows: Sequence[int | None] | None = None,
+) -> tuple[KVFormat, int] | None:
+    """``fmt`` with the smaller block (:data:`VLLM_SMALLER_BLOCKS`) that holds the most tokens in this vLLM space,
+    and those tokens, when that is at least 5% more than ``fmt`` holds; else None.
+
+    Each running request keeps its open block in full precision (its tail), so where the tails take much of the
+    space a smaller block holds more, though each sealed token then carries more scale bytes (per-channel key
+    scales cover fewer tokens)."""
+    have = vllm_capacity_tokens(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    best: tuple[KVFormat, int] | None = None
+    for b in VLLM_SMALLER_BLOCKS:
+        if b >= fmt.block_size or fmt.sink > b:
+            continue
+        try:
+            other = fmt.with_block_size(b)
+        except (ConfigError, FormatError):
+            continue
+        if other.reasons_invalid(head_dim):
+            continue
+        tokens = vllm_capacity_tokens(other, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+        if tokens >= have * VLLM_SMALLER_BLOCK_GAIN and (best is None or tokens > best[1]):
+            best = (other, tokens)
+    return best
 
 
 VLLM_PLAN_WITH_WINDOWS = (

@@ -191,8 +191,9 @@ def _run_decode(args: argparse.Namespace) -> int:
     rows, bw = run_sweep(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(rows, bw))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"memory_bandwidth_gbps": bw, "rows": rows}, fh, indent=1)
+        from kvpack.fsutil import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"memory_bandwidth_gbps": bw, "rows": rows}, indent=1))
         print(f"rows written to {args.json}", file=sys.stderr)
     return 0
 

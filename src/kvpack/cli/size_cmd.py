@@ -230,6 +230,15 @@ def render(p) -> str:
                 f"fewer tokens than vLLM's own cache: {', '.join(short)}: the tails cost more than the format saves in "
                 "this space; give more space, or a lower --max-num-seqs if fewer requests run at once."
             )
+        smaller = [r for r in p.rows if r.vllm_smaller_block is not None]
+        if smaller:
+            named = ", ".join(
+                f"{r.format.name} -> '{r.vllm_smaller_block[0].name}' {r.vllm_smaller_block[1]:,}" for r in smaller
+            )
+            out.append(
+                f"smaller blocks hold more tokens here: {named} (vLLM tokens; shorter full-precision tails, more "
+                "scale bytes per sealed token; the format string sets vLLM's block size)."
+            )
         refused = [r for r in p.rows if r.vllm_refused]
         if refused:
             out.append(f"refused ({', '.join(r.format.name for r in refused)}): {refused[0].vllm_refused}.")
