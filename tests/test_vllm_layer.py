@@ -241,6 +241,7 @@ class _Sim:
         self.kernel = kernel
         self.gen = torch.Generator().manual_seed(seed)
         self.reqs: dict[int, dict] = {}
+        self.reserve_reads = 0  # decode calls whose tails were reserves
 
     def add(self, rid: int, share_from: int | None = None, shared_blocks: int = 0) -> None:
         blocks, k, v, n, gone = [], None, None, 0, set()
@@ -270,6 +271,17 @@ class _Sim:
         self.oracle.free(req["sid"])
         req["sid"] = self.oracle.add_sequence()
         self.oracle.append(0, [req["sid"]], req["k"].transpose(0, 1)[None], req["v"].transpose(0, 1)[None])
+
+    def _decoded(self, req: dict, pos: int, q: torch.Tensor) -> torch.Tensor:
+        """``[HQ, D]``: the attention of query ``q`` (``[HQ, D]``) at position ``pos`` over a cache of the request's
+        first ``pos + 1`` tokens (its last block open)."""
+        sid = self.oracle.add_sequence()
+        try:
+            k, v = req["k"][: pos + 1], req["v"][: pos + 1]
+            self.oracle.append(0, [sid], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            return paged_attention_reference(q[None, None], self.oracle.view(0, [sid]), window=self.window)[0, 0]
+        finally:
+            self.oracle.free(sid)
 
     def _held(self) -> set[int]:
         return {b for r in self.reqs.values() for j, b in enumerate(r["blocks"]) if j not in r["gone"]}
@@ -313,6 +325,7 @@ class _Sim:
             bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
         plan = self.table.plan(qs, sl, bt.numpy())
         st = StepTensors.from_plan(plan, bt, self.b)
+        self.reserve_reads += sum(p.slots is not None for p in st.passes)
         key, value = torch.cat(toks_k), torch.cat(toks_v)
         query = torch.randn(int(qs[-1]), HQ, self.d, generator=self.gen)
         self.layer.write(self.kv_cache, plan, key, value)
@@ -328,6 +341,14 @@ class _Sim:
             want = paged_attention_reference(
                 query[qs[i] : qs[i + 1]][None], self.oracle.view(0, [req["sid"]]), window=self.window
             )[0]
+            n, t = req["n"], work[rid]
+            if plan.reserve_slot[i] >= 0 and t <= DECODE_QUERIES:
+                # drafts sealed a block and the step kept its rows in a reserve: the queries inside that block read
+                # it from there, full precision, as steps without drafts read it from the tail; their reference is
+                # a cache holding their history alone
+                for j in range(t):
+                    if t - 1 - j > n % self.b:
+                        want[j] = self._decoded(req, n - t + j, query[qs[i] + j])
             atol, rtol = 1e-5, 1e-5  # the same codes, read by the reference
             if self.kernel == "triton":  # the Triton kernels (interpreter): float32 dots, float32 accumulation
                 atol, rtol = TRITON_TOL
@@ -376,7 +397,8 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
     """Speculative decoding under the simulated scheduler: each decode step writes its token and three drafts, and
     the next starts after the accepted ones (0-3 of them, at random). A draft in a block's last slot seals the block
     and keeps its rows in a reserve; a rejection then writes into the block again, which reopens it from the
-    reserve, exactly: every query's attention matches a cache that never saw the drafts. Request 2 sits out every
+    reserve, exactly: every query's attention matches a cache that never saw the drafts (the queries inside the block
+    a step sealed read it from the reserve, as steps without drafts read it from the tail). Request 2 sits out every
     fifth step, holding its reserve meanwhile; once all end, nothing is held."""
     with contextlib.ExitStack() as stack:
         if kernel == "triton":
@@ -401,7 +423,7 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
                 if n < c + 1 + drafts:
                     reopened += n // b < (c + 1 + drafts) // b and n % b > 0  # back inside a block it sealed
                     sim.rollback(rid, n)
-        assert reopened > 0 and reserved > 0
+        assert reopened > 0 and reserved > 0 and sim.reserve_reads > 0
         assert sim.table.num_reserved <= 3
         for rid in list(sim.reqs):
             sim.end(rid)
@@ -411,13 +433,13 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
 def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     """On the CPU, requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel,
     one call per query position: all requests with the tails in place when most take part, the members' tails
-    gathered when few do. A request whose queries reach back into a block the step sealed, or with more queries, is a
-    chunk row."""
+    gathered when few do. A request whose queries reach back into a block the step sealed is a chunk row unless the
+    step kept that block's rows in a reserve (drafts inside); a request with more queries is one too."""
     b = 16
     ql = np.array([1, 4, 1, 1, 20, 3, DECODE_QUERIES + 1])
     sl = np.array([30, 36, 17, 5, 40, 33, 60])  # request 5: 33 % 16 = 1, its first query is in the block sealed
     qs = np.concatenate([[0], np.cumsum(ql)])
-    plan = types.SimpleNamespace(query_lens=ql, seq_lens=sl, query_start=qs)
+    plan = types.SimpleNamespace(query_lens=ql, seq_lens=sl, query_start=qs, reserve_slot=np.full(7, -1))
     st = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32), b)
     assert st.prefill_rows.tolist() == [4, 5, 6] and not st.decode_dense
     last = qs[:7] + ql - 1
@@ -429,8 +451,23 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     for k, p in enumerate(rest, start=1):
         assert p.rows.tolist() == [1] and p.back.tolist() == [k] and p.keep is None
         assert p.tokens.tolist() == p.dst.tolist() == [last[1] - k]
+    # with a reserve for request 5's sealed block (slot 9): its queries at positions 32 and 31 read the pages and
+    # its open block (31 ends block 1: no tail rows), the one at 30 reads block 0 and the reserve's first 15 rows
+    kept = types.SimpleNamespace(**{**vars(plan), "reserve_slot": np.array([-1, -1, -1, -1, -1, 9, -1])})
+    st = StepTensors.from_plan(kept, torch.zeros(7, 4, dtype=torch.int32), b)
+    assert st.prefill_rows.tolist() == [4, 6]
+    got = [(p.rows is None, None if p.rows is None else p.rows.tolist(), None if p.back is None else p.back.tolist(),
+            None if p.slots is None else p.slots.tolist(), p.dst.tolist()) for p in st.passes]  # fmt: skip
+    assert got == [
+        (True, None, None, None, last[[0, 1, 2, 3, 5]].tolist()),  # 5 of 7: every request
+        (False, [1, 5], [1, 1], None, [last[1] - 1, last[5] - 1]),
+        (False, [1], [2], None, [last[1] - 2]),
+        (False, [5], [2], [9], [last[5] - 2]),  # the reserve gathered as request 5's tail
+        (False, [1], [3], None, [last[1] - 3]),
+    ]
     dense = StepTensors.from_plan(types.SimpleNamespace(query_lens=np.ones(3, np.int64), seq_lens=sl[:3],
-                                                        query_start=np.arange(4)), torch.zeros(3, 4), b)  # fmt: skip
+                                                        query_start=np.arange(4), reserve_slot=np.full(3, -1)),
+                                  torch.zeros(3, 4), b)  # fmt: skip
     assert dense.decode_dense
     # off the CPU the decode kernel reads the history once per call: only single queries decode there
     gpu_like = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32, device="meta"), b)

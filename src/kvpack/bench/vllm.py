@@ -18,6 +18,7 @@ import numpy as np
 
 from kvpack.errors import ConfigError
 from kvpack.integrations.vllm.engine import run_engine
+from kvpack.plans import parse_plan
 from kvpack.sizing import MODEL_DTYPE_BYTES
 
 __all__ = ["PROVIDERS", "Row", "base_job", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
@@ -123,10 +124,12 @@ def run(
 
 
 def provider_job(name: str) -> dict[str, Any]:
-    """A provider's keys of an engine job: the kvpack format (None: vLLM's own cache) and vLLM's kv_cache_dtype.
-    ``name`` is a key of :data:`PROVIDERS` or a kvpack format string."""
+    """A provider's keys of an engine job: the kvpack format (None: vLLM's own cache), vLLM's kv_cache_dtype and
+    block size (a kvpack format's own: ``int8,block=32`` runs with 32-token blocks). ``name`` is a key of
+    :data:`PROVIDERS` or a kvpack format string."""
     fmt, dtype = PROVIDERS.get(name, (name, "auto"))
-    return {"format": fmt, "kv_cache_dtype": dtype}
+    block = 64 if fmt is None else parse_plan(fmt).base.block_size
+    return {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
 
 
 def make_row(name: str, res: dict[str, Any], reference: list[list[int]]) -> Row:

@@ -24,7 +24,7 @@ from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import calibration_reasons
 from kvpack.modelspecs import config_windows
 from kvpack.plans import LayerPlan, parse_plan
-from kvpack.sizing import vllm_tail_bytes
+from kvpack.sizing import vllm_capacity_tokens, vllm_smaller_block, vllm_tail_bytes
 
 __all__ = [
     "DRAFT_FREE_METHODS",
@@ -36,6 +36,7 @@ __all__ = [
     "settings_from",
     "spec_tokens",
     "startup_reasons",
+    "tail_advice",
     "tail_pool_bytes",
     "tail_slots",
 ]
@@ -239,17 +240,34 @@ def startup_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: st
     return reasons
 
 
-def _has_windows(hf: Any) -> bool:
-    """Whether some layer of the model whose (text) config is ``hf`` attends a sliding window
-    (:func:`kvpack.modelspecs.config_windows`, which reads the same fields from a ``config.json``)."""
+def _config_windows(hf: Any) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window of the model whose (text) config is ``hf`` (None: none)
+    (:func:`kvpack.modelspecs.config_windows`, which reads the same fields from a ``config.json``).
+
+    Raises:
+        ConfigError: a malformed window field.
+    """
     layers = getattr(hf, "num_hidden_layers", None)
     if hf is None or not isinstance(layers, int) or layers < 1:
-        return False
+        return None
     fields = {k: getattr(hf, k, None) for k in ("sliding_window", "use_sliding_window", "layer_types")}
     if isinstance(fields["layer_types"], tuple):
         fields["layer_types"] = list(fields["layer_types"])
+    return config_windows(fields, layers)
+
+
+def _windows(hf: Any) -> tuple[int | None, ...] | None:
+    """:func:`_config_windows`, None for a malformed field (vLLM's own config step judges it)."""
     try:
-        return config_windows(fields, layers) is not None
+        return _config_windows(hf)
+    except ConfigError:
+        return None
+
+
+def _has_windows(hf: Any) -> bool:
+    """Whether some layer of the model whose (text) config is ``hf`` attends a sliding window."""
+    try:
+        return _config_windows(hf) is not None
     except ConfigError:  # a malformed window field: vLLM's own config step judges it; a plan is not served then
         return True
 
@@ -271,6 +289,39 @@ def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: str
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
     return reasons
+
+
+# The tails' share of the KV space from which start-up names a smaller block that holds more tokens
+TAIL_SHARE_ADVICE = 0.25
+
+
+def tail_advice(
+    fmt: KVFormat,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    act_bytes: int,
+    space_bytes: int,
+    seqs: int,
+    windows: tuple[int | None, ...] | None = None,
+) -> str | None:
+    """A line for the start-up log when the full-precision tails take at least :data:`TAIL_SHARE_ADVICE` of the KV
+    space and ``fmt`` with a smaller block holds more tokens there (:func:`kvpack.sizing.vllm_smaller_block`);
+    None otherwise. ``kv_heads`` and ``space_bytes`` are one worker's."""
+    tails = vllm_tail_bytes(fmt, layers, kv_heads, head_dim, act_bytes, seqs)
+    if tails < TAIL_SHARE_ADVICE * space_bytes:
+        return None
+    found = vllm_smaller_block(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    if found is None:
+        return None
+    other, tokens = found
+    have = vllm_capacity_tokens(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    return (
+        f"kvpack: the full-precision tails of {seqs} requests take {tails / 2**20:.1f} MiB of the "
+        f"{space_bytes / 2**20:.1f} MiB KV space ({tails / space_bytes:.0%}); format '{other.name}' would hold "
+        f"{tokens:,} tokens in it where {fmt.name or fmt.spec_string()!r} holds {have:,} (shorter tails, a little "
+        "more scale bytes per token); or give more space, or lower max_num_seqs"
+    )
 
 
 def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
@@ -298,6 +349,12 @@ def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
             f"with speculative decoding) need {tails / 2**20:.0f} MiB, more than the KV cache space of "
             f"{cache.kv_cache_memory_bytes / 2**20:.0f} MiB; lower max_num_seqs or raise the space"
         )
+    if not plan.overrides:
+        act = torch.empty((), dtype=model.dtype).element_size()
+        windows = _windows(getattr(model, "hf_text_config", None))
+        advice = tail_advice(fmt, layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows)
+        if advice:
+            logger.warning(advice)
     cache.kv_cache_memory_bytes -= tails
     setattr(cache, _PAID, tails)
     logger.info(

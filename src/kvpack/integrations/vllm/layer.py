@@ -58,6 +58,8 @@ class DecodePass:
         tokens: ``[Rk]`` int64 each row's query token.
         back: ``[Rk]`` int32 positions each row's history is cut by (its query's distance from the last), or None.
         keep: ``[Rm]`` int64 rows of the call whose output is kept (None: all); dst: ``[Rm]`` int64 their tokens.
+        slots: ``[Rk]`` int64 the tail slots gathered for ``rows`` (None: the rows' own, slot ``i`` for request
+            ``i``): reserves, for queries in a block the step sealed.
     """
 
     rows: torch.Tensor | None
@@ -65,6 +67,7 @@ class DecodePass:
     back: torch.Tensor | None
     keep: torch.Tensor | None
     dst: torch.Tensor
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,11 @@ class StepTensors:
         block_table: ``[R, W]`` int32 block ids.
         seq_lens: ``[R]`` int32 tokens per request after the step.
         passes: the decode-kernel calls (:class:`DecodePass`): requests with one query, and on the CPU those with
-            up to :data:`DECODE_QUERIES` whose queries all lie in the open block (the query ``k`` places before the
-            last reads the history cut by ``k``, which keeps the same sealed blocks and the tail's first rows).
+            up to :data:`DECODE_QUERIES` (the query ``k`` places before the last reads the history cut by ``k``).
+            Such a query lies in the open block (the same sealed blocks, the tail's first rows) or, with drafts, in
+            the block the step sealed, whose rows the step kept in a reserve slot (``StepPlan.reserve_slot``): its
+            history is the blocks before and the reserve's first rows. A request with a query in a sealed block
+            and no reserve is a chunk row.
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
     """
@@ -93,25 +99,42 @@ class StepTensors:
         ql, sl, qs = plan.query_lens, plan.seq_lens, plan.query_start
         r = ql.size
         dev = block_table.device
-        # the k-th query before the last sees the history cut by k: the same blocks while k <= seq_len % block_size
+        # the k-th query before the last sees the history cut by k: the same blocks and the tail's first rows while
+        # k <= seq_len % block_size; further back (at most a block: drafts < block_size), the block the step sealed,
+        # which is a tail again where the step kept its rows in a reserve
         most = DECODE_QUERIES if dev.type == "cpu" else 1
-        decodable = (ql == 1) | ((ql <= most) & (ql - 1 <= sl % block_size))
+        open_rows = sl % block_size
+        reserve = plan.reserve_slot
+        decodable = (ql == 1) | ((ql <= most) & ((ql - 1 <= open_rows) | ((reserve >= 0) & (ql <= block_size))))
         dense = bool(0 < r == int(np.count_nonzero(ql == 1)) and np.array_equal(qs[:r], np.arange(r)))
         last = qs[:r] + ql - 1
         passes = []
         for k in range(int(ql[decodable].max()) if decodable.any() else 0):
             member = decodable & (ql > k)
+            back_in = member & (k > open_rows)  # this query's tail is the reserve
+            member &= ~back_in
             idx = np.nonzero(member)[0]
             tok = last - k
-            everyone = 2 * idx.size >= r  # most requests: all of them, tails in place, the others' outputs dropped
-            back = np.where(member, k, 0) if everyone else np.full(idx.size, k)
-            passes.append(DecodePass(
-                rows=None if everyone else _dev(idx, dev),
-                tokens=_dev(np.where(member, tok, last) if everyone else tok[idx], dev),
-                back=_dev(back.astype(np.int32), dev) if k else None,
-                keep=_dev(idx, dev) if everyone and idx.size < r else None,
-                dst=_dev(tok[idx], dev),
-            ))  # fmt: skip
+            if idx.size:
+                everyone = 2 * idx.size >= r  # most requests: all, tails in place, the others' outputs dropped
+                back = np.where(member, k, 0) if everyone else np.full(idx.size, k)
+                passes.append(DecodePass(
+                    rows=None if everyone else _dev(idx, dev),
+                    tokens=_dev(np.where(member, tok, last) if everyone else tok[idx], dev),
+                    back=_dev(back.astype(np.int32), dev) if k else None,
+                    keep=_dev(idx, dev) if everyone and idx.size < r else None,
+                    dst=_dev(tok[idx], dev),
+                ))  # fmt: skip
+            idx = np.nonzero(back_in)[0]
+            if idx.size:
+                passes.append(DecodePass(
+                    rows=_dev(idx, dev),
+                    tokens=_dev(tok[idx], dev),
+                    back=_dev(np.full(idx.size, k, dtype=np.int32), dev),
+                    keep=None,
+                    dst=_dev(tok[idx], dev),
+                    slots=_dev(reserve[idx], dev),
+                ))  # fmt: skip
         return cls(
             block_table=block_table.to(torch.int32),
             seq_lens=torch.from_numpy(sl.astype(np.int32)).to(dev),
@@ -282,9 +305,11 @@ class PagedLayer:
         st: StepTensors,
         rows: torch.Tensor | None = None,
         back: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> PagedKV:
         """The :class:`PagedKV` of requests ``rows`` (None: all) over the pages, each history cut by ``back``
-        (``[r]`` int32 positions, or None).
+        (``[r]`` int32 positions, or None), the tails of ``rows`` gathered from ``slots`` (``[r]`` int64; None: the
+        rows' own).
 
         The block tables, lengths and sink rows (from each request's first page) are copied into persistent
         buffers (:class:`_Rows`), and the view of ``r`` rows is the same object step after step, so that a
@@ -307,8 +332,9 @@ class PagedLayer:
         else:
             torch.index_select(st.block_table, 0, rows, out=tables)
             torch.index_select(st.seq_lens, 0, rows, out=lens)
-            torch.index_select(self.tail_k, 0, rows, out=tail_k)  # request i's tail is slot i (TailTable)
-            torch.index_select(self.tail_v, 0, rows, out=tail_v)
+            src = rows if slots is None else slots  # request i's tail is slot i (TailTable), or a reserve
+            torch.index_select(self.tail_k, 0, src, out=tail_k)
+            torch.index_select(self.tail_v, 0, src, out=tail_v)
         if back is not None:
             lens.sub_(back)
         if sink_k is not None:
@@ -381,7 +407,7 @@ class PagedLayer:
                 dst.copy_(res)
         else:
             for p in st.passes:
-                kv = self.view(kv_cache, st, p.rows, p.back)
+                kv = self.view(kv_cache, st, p.rows, p.back, p.slots)
                 q = query[p.tokens]
                 res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window)
                 out[p.dst] = (res if p.keep is None else res[p.keep]).to(out.dtype)

@@ -60,6 +60,9 @@ class StepPlan:
         causal_start: ``[R]`` int64: position of each request's first token in this step.
         query_lens, seq_lens: ``[R]`` int64.
         query_start: ``[R + 1]`` int64: token offsets of the requests in the step.
+        reserve_slot: ``[R]`` int64: the slot holding the reserve of the block request ``i`` sealed this step with a
+            draft inside (all of the block's rows, full precision, after the step's writes), -1 for none: the
+            tail of the request's queries in that block.
     """
 
     tail_slot: np.ndarray
@@ -79,6 +82,7 @@ class StepPlan:
     query_lens: np.ndarray
     seq_lens: np.ndarray
     query_start: np.ndarray
+    reserve_slot: np.ndarray
 
 
 def _i64(x: list[int]) -> np.ndarray:
@@ -182,6 +186,7 @@ class TailTable:
         rows_of: dict[int, int] = {}  # block id -> the row whose open block it is after the step
         kept: dict[int, int] = {}  # block id -> the slot of its reserve: sealed this step, a draft inside
         kept_moves: list[tuple[int, int]] = []
+        reserve_of = np.full(r, -1, dtype=np.int64)  # row -> the reserve slot of the block it sealed this step
         reopens = 0
         drafts = self.spec_tokens
         if drafts:  # a request writing past a reserved block will not write into it again: release the reserve
@@ -227,6 +232,7 @@ class TailTable:
                             "for; keep --max-num-seqs at the value the engine started with"
                         )
                     kept[bid] = slot
+                    reserve_of[i] = slot
                     if have >= 0 and have != slot:
                         kept_moves.append((have, slot))
                     s_blk.append(bid)
@@ -305,4 +311,5 @@ class TailTable:
             query_lens=ql,
             seq_lens=sl,
             query_start=qs,
+            reserve_slot=reserve_of,
         )
