@@ -29,6 +29,7 @@ from kvpack.errors import ConfigError, FormatError, UnsupportedError
 from kvpack.integrations.vllm import config as kcfg
 from kvpack.integrations.vllm.backend import KVPackAttentionBackend, KVPackAttentionImpl
 from kvpack.models.embedded import ensure_converted
+from kvpack.sizing import VllmSpace
 
 LAYERS, KV_HEADS, HEAD_DIM, SEQS = 30, 3, 64, 8  # SmolLM2-135M
 SPACE = 256 * 2**20
@@ -77,12 +78,14 @@ def test_start_up_names_a_smaller_block_where_the_tails_crowd_the_space(caplog):
     """The quick benchmark's spaces: in 96 MiB for a bfloat16 model the tails of 32 requests take 47% and int8 holds
     fewer tokens than vLLM's own cache (4,352); 16-token blocks hold 6,016 (``kvpack size`` gives the same)."""
     mib = 2**20
-    line = kcfg.tail_advice(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)
+    line = kcfg.tail_advice(parse_format("int8"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32))
     assert line is not None
     assert "tails of 32 requests take 45.0 MiB of the 96.0 MiB KV space (47%)" in line
     assert "format 'int8,block=16' would hold 6,016 tokens in it where 'int8' holds 4,224" in line
-    assert kcfg.tail_advice(parse_format("int8"), LAYERS, KV_HEADS, HEAD_DIM, 2, 2048 * mib, 32) is None  # 2%
-    assert kcfg.tail_advice(parse_format("int4,block=16"), LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32) is None
+    assert kcfg.tail_advice(parse_format("int8"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 2048 * mib, 32)) is None
+    assert (
+        kcfg.tail_advice(parse_format("int4,block=16"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)) is None
+    )
     # the engine's config step logs it (float32: the tails of 32 requests take 90 of 192 MiB)
     with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
         _engine_config(

@@ -26,6 +26,7 @@ __all__ = [
     "FormatRow",
     "SizeEstimate",
     "VllmPage",
+    "VllmSpace",
     "advice",
     "estimate",
     "max_batch",
@@ -365,7 +366,8 @@ def estimate(
         if vllm is not None:
             row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
             row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], slots)
-            row.vllm_smaller_block = vllm_smaller_block(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
+            row.vllm_smaller_block = vllm_smaller_block(fmt, VllmSpace(n_layers, h, d, vllm[2], vllm[0], slots,
+                                                                       model.windows))  # fmt: skip
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
@@ -538,23 +540,37 @@ VLLM_SMALLER_BLOCKS = (32, 16)
 VLLM_SMALLER_BLOCK_GAIN = 1.05
 
 
-def vllm_smaller_block(
-    fmt: KVFormat,
-    layers: int,
-    kv_heads: int,
-    head_dim: int,
-    act_bytes: int,
-    space_bytes: int,
-    seqs: int,
-    windows: Sequence[int | None] | None = None,
-) -> tuple[KVFormat, int] | None:
+@dataclass(frozen=True)
+class VllmSpace:
+    """One vLLM worker's KV space for a model's shape: what the kvpack backend's capacity depends on besides the
+    format (:func:`vllm_capacity_tokens`'s arguments)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    act_bytes: int
+    space_bytes: int
+    seqs: int
+    windows: Sequence[int | None] | None = None
+
+    def tokens(self, fmt: KVFormat | LayerPlan) -> int:
+        """:func:`vllm_capacity_tokens` of ``fmt`` in this space."""
+        return vllm_capacity_tokens(fmt, self.layers, self.kv_heads, self.head_dim, self.act_bytes, self.space_bytes,
+                                    self.seqs, self.windows)  # fmt: skip
+
+    def tail_bytes(self, fmt: KVFormat) -> int:
+        """:func:`vllm_tail_bytes` of ``fmt`` for this space's requests."""
+        return vllm_tail_bytes(fmt, self.layers, self.kv_heads, self.head_dim, self.act_bytes, self.seqs)
+
+
+def vllm_smaller_block(fmt: KVFormat, space: VllmSpace) -> tuple[KVFormat, int] | None:
     """``fmt`` with the smaller block (:data:`VLLM_SMALLER_BLOCKS`) that holds the most tokens in this vLLM space,
     and those tokens, when that is at least 5% more than ``fmt`` holds; else None.
 
     Each running request keeps its open block in full precision (its tail), so where the tails take much of the
     space a smaller block holds more, though each sealed token then carries more scale bytes (per-channel key
     scales cover fewer tokens)."""
-    have = vllm_capacity_tokens(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    have = space.tokens(fmt)
     best: tuple[KVFormat, int] | None = None
     for b in VLLM_SMALLER_BLOCKS:
         if b >= fmt.block_size or fmt.sink > b:
@@ -563,9 +579,9 @@ def vllm_smaller_block(
             other = fmt.with_block_size(b)
         except (ConfigError, FormatError):
             continue
-        if other.reasons_invalid(head_dim):
+        if other.reasons_invalid(space.head_dim):
             continue
-        tokens = vllm_capacity_tokens(other, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+        tokens = space.tokens(other)
         if tokens >= have * VLLM_SMALLER_BLOCK_GAIN and (best is None or tokens > best[1]):
             best = (other, tokens)
     return best

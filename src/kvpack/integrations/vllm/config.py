@@ -24,7 +24,7 @@ from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import calibration_reasons
 from kvpack.modelspecs import config_windows
 from kvpack.plans import LayerPlan, parse_plan
-from kvpack.sizing import vllm_capacity_tokens, vllm_smaller_block, vllm_tail_bytes
+from kvpack.sizing import VllmSpace, vllm_smaller_block, vllm_tail_bytes
 
 __all__ = [
     "DRAFT_FREE_METHODS",
@@ -295,32 +295,23 @@ def engine_reasons(vllm_config: Any, fmt: KVFormat | LayerPlan, calibration: str
 TAIL_SHARE_ADVICE = 0.25
 
 
-def tail_advice(
-    fmt: KVFormat,
-    layers: int,
-    kv_heads: int,
-    head_dim: int,
-    act_bytes: int,
-    space_bytes: int,
-    seqs: int,
-    windows: tuple[int | None, ...] | None = None,
-) -> str | None:
-    """A line for the start-up log when the full-precision tails take at least :data:`TAIL_SHARE_ADVICE` of the KV
-    space and ``fmt`` with a smaller block holds more tokens there (:func:`kvpack.sizing.vllm_smaller_block`);
-    None otherwise. ``kv_heads`` and ``space_bytes`` are one worker's."""
-    tails = vllm_tail_bytes(fmt, layers, kv_heads, head_dim, act_bytes, seqs)
-    if tails < TAIL_SHARE_ADVICE * space_bytes:
+def tail_advice(fmt: KVFormat, space: VllmSpace) -> str | None:
+    """A line for the start-up log when the full-precision tails take at least :data:`TAIL_SHARE_ADVICE` of one
+    worker's KV space and ``fmt`` with a smaller block holds more tokens there
+    (:func:`kvpack.sizing.vllm_smaller_block`); None otherwise."""
+    tails = space.tail_bytes(fmt)
+    if tails < TAIL_SHARE_ADVICE * space.space_bytes:
         return None
-    found = vllm_smaller_block(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    found = vllm_smaller_block(fmt, space)
     if found is None:
         return None
     other, tokens = found
-    have = vllm_capacity_tokens(fmt, layers, kv_heads, head_dim, act_bytes, space_bytes, seqs, windows)
+    mib = 2**20
     return (
-        f"kvpack: the full-precision tails of {seqs} requests take {tails / 2**20:.1f} MiB of the "
-        f"{space_bytes / 2**20:.1f} MiB KV space ({tails / space_bytes:.0%}); format '{other.name}' would hold "
-        f"{tokens:,} tokens in it where {fmt.name or fmt.spec_string()!r} holds {have:,} (shorter tails, a little "
-        "more scale bytes per token); or give more space, or lower max_num_seqs"
+        f"kvpack: the full-precision tails of {space.seqs} requests take {tails / mib:.1f} MiB of the "
+        f"{space.space_bytes / mib:.1f} MiB KV space ({tails / space.space_bytes:.0%}); format '{other.name}' would "
+        f"hold {tokens:,} tokens in it where {fmt.name or fmt.spec_string()!r} holds {space.tokens(fmt):,} (shorter "
+        "tails, a little more scale bytes per token); or give more space, or lower max_num_seqs"
     )
 
 
@@ -352,7 +343,8 @@ def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
     if not plan.overrides:
         act = torch.empty((), dtype=model.dtype).element_size()
         windows = _windows(getattr(model, "hf_text_config", None))
-        advice = tail_advice(fmt, layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows)
+        space = VllmSpace(layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows)
+        advice = tail_advice(fmt, space)
         if advice:
             logger.warning(advice)
     cache.kv_cache_memory_bytes -= tails
