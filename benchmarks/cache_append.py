@@ -22,10 +22,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
+from _meta import commit as git_commit
 
 from kvpack.cache import PagedKVCache
 from kvpack.fsutil import atomic_write_text
@@ -110,7 +110,7 @@ def main() -> None:
             f"{r['quant_us']:8.0f} {r['view_us']:6.0f} {r['prefill_tok_s']:14.0f}"
         )
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = git_commit()
         flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "json")
         meta = {"command": f"python benchmarks/cache_append.py {flags}", "commit": commit,
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__}  # fmt: skip

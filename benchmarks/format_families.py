@@ -15,11 +15,11 @@ import argparse
 import json
 import platform
 import pydoc_data.topics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from _meta import commit
 
 from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
@@ -27,13 +27,6 @@ from kvpack.fsutil import atomic_write_text
 from kvpack.models.stress import add_key_bias
 
 DEFAULT = "fp8,fp8-plain,k=fp8:head:rot,v=fp8:head,sink=1,int8,int4,k4v2"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> dict[str, dict[str, float]]:
@@ -88,7 +81,7 @@ def main() -> None:
         print(f"{f:36s} " + " ".join(f"{c:>28s}" for c in cells))
     out = {
         "command": "python benchmarks/format_families.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-        "commit": _commit(),
+        "commit": commit(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "tokens": args.tokens,

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 
 import torch
+from _meta import commit as git_commit
 
 import kvpack.hf
 from kvpack.bench.vllm import prose_token_ids, workload
@@ -109,7 +109,7 @@ def main() -> None:
             f"{fmt:45s} {rows[-1]['identical']}/{len(prompts)} identical; first divergences at {diverged}", flush=True
         )
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = git_commit()
         flags = " ".join(f"--{k.replace('_', '-')} {v!r}" for k, v in vars(args).items() if k != "json")
         meta = {
             "command": f"python benchmarks/greedy_agreement.py {flags}",

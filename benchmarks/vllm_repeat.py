@@ -24,32 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _meta import commit
+
 TIMED = ("tokens_per_s", "wall_s")
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        mem = f", {pages / 2**30:.0f} GiB"
-    except (ValueError, OSError):
-        mem = ""
-    return f"{os.cpu_count()} cores, {cpu}{mem}"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
@@ -65,7 +42,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
             vals = [r[col] for r in per_run]
             row[col] = statistics.median(vals)
             row[f"{col}_runs"] = vals
-        for col in row:
+        for col in list(row):
             if col in TIMED or col.endswith("_runs"):
                 continue
             vals = [r.get(col) for r in per_run]
@@ -95,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         if out.returncode:
             sys.stderr.write(out.stderr[-4000:])
             raise SystemExit(f"vllm_repeat: run {i + 1} failed with status {out.returncode}")
-        runs.append(json.loads(out.stdout[out.stdout.index("[") :]))
+        try:
+            runs.append(json.loads(out.stdout[out.stdout.index("[") :]))
+        except ValueError as e:
+            raise SystemExit(
+                f"vllm_repeat: run {i + 1} printed no JSON rows ({e}); its output: {out.stdout[-2000:]}"
+            ) from None
     rows = merge(runs)
     for r in rows:
         print(
@@ -109,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "command": f"{shlex.join(cmd[1:])}, {args.repeat} runs in a row; rows: the median tokens_per_s and wall_s, "
             "each run's in *_runs",
-            "commit": _commit(),
-            "machine": _machine() + (f"; {args.note}" if args.note else ""),
+            "commit": commit(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs" + (f"; {args.note}" if args.note else ""),
             "date": datetime.date.today().isoformat(),
             "rows": rows,
         }

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 
 import numpy as np
 import torch
+from _meta import commit as git_commit
 
 from kvpack import parse_format
 from kvpack.bench.vllm import prose_token_ids, workload
@@ -70,7 +70,7 @@ def main() -> None:
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = git_commit()
         cmd = f"python benchmarks/vllm_speculative.py --threads {args.threads} --repeat {args.repeat} --out {args.out}"
         meta = {"command": cmd,
                 "commit": commit, "machine": f"{platform.machine()}, {args.threads} threads", "torch": torch.__version__,

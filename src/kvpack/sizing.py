@@ -332,6 +332,7 @@ def estimate(
     if shared_prefix is not None:
         result.fp16_shared_prefix_total_bytes = shared_prefix_bytes(fp16, context, batch, shared_prefix, h, d, n_layers)
     budget = result.cache_budget_bytes
+    space = None if vllm is None else VllmSpace(n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
     for fmt in formats if formats is not None else PRESETS.values():
         reasons = fmt.reasons_invalid(d)
         if reasons:
@@ -343,9 +344,9 @@ def estimate(
             row = _plan_row(fmt, context, batch, fp16_total, budget, shared_prefix, model)
             if vllm is not None:
                 row.vllm_refused = vllm_refusal(fmt, model.windows)
-            if vllm is not None and row.vllm_refused is None:
-                row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
-                row.vllm_tail_bytes = vllm_tail_bytes(fmt.base, n_layers, h, d, vllm[2], slots)
+            if space is not None and row.vllm_refused is None:
+                row.vllm_tokens = space.tokens(fmt)
+                row.vllm_tail_bytes = space.tail_bytes(fmt.base)
             result.rows.append(row)
             continue
         per_seq = fmt.bytes_for_tokens(context, h, d, n_layers, TAIL_ELEMENT_BYTES)
@@ -363,11 +364,10 @@ def estimate(
             row.max_context = max_context(fmt, budget // batch, h, d, n_layers)
         if shared_prefix is not None:
             row.shared_prefix_total_bytes = shared_prefix_bytes(fmt, context, batch, shared_prefix, h, d, n_layers)
-        if vllm is not None:
-            row.vllm_tokens = vllm_capacity_tokens(fmt, n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
-            row.vllm_tail_bytes = vllm_tail_bytes(fmt, n_layers, h, d, vllm[2], slots)
-            row.vllm_smaller_block = vllm_smaller_block(fmt, VllmSpace(n_layers, h, d, vllm[2], vllm[0], slots,
-                                                                       model.windows))  # fmt: skip
+        if space is not None:
+            row.vllm_tokens = space.tokens(fmt)
+            row.vllm_tail_bytes = space.tail_bytes(fmt)
+            row.vllm_smaller_block = vllm_smaller_block(fmt, space)
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
