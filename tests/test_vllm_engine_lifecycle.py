@@ -35,16 +35,22 @@ def job():
             "max_model_len": 512, "max_num_batched_tokens": 256, "threads": ENGINE_THREADS}  # fmt: skip
 
 
-def test_a_thousand_requests_leave_no_tail_allocated():
+def test_a_thousand_requests_some_aborted_leave_no_tail_allocated():
     rng = np.random.default_rng(0)
-    # prompts of 2-19 tokens and 3 new ones: tails that seal, tails that stay open, and requests preempted with one
+    # prompts of 2-19 tokens and 3 new ones: tails that seal, tails that stay open, and requests preempted with one;
+    # every seventh request not finished after 40 steps aborted, as a server does when its clients go away: some
+    # running (their tails open), most still waiting or preempted
     prompts = [rng.integers(100, 20000, size=int(n)).tolist() for n in rng.integers(2, 20, size=1000)]
     res = run_engine({
         "model": str(ensure_converted()), "format": "int8,block=16", "prompts": prompts, "max_tokens": 3,
         "kv_bytes": 32 * 2**20, "max_num_seqs": 32, "max_model_len": 64, "max_num_batched_tokens": 512,
-        "block_size": 16, "kernel": "reference", "threads": ENGINE_THREADS,
+        "block_size": 16, "kernel": "reference", "threads": ENGINE_THREADS, "abort": {"every": 7, "after_steps": 40},
     })  # fmt: skip
-    assert len(res["outputs"]) == 1000 and all(len(o) == 3 for o in res["outputs"])
+    aborted = res["aborted"]
+    assert 0 < aborted["running"] < len(aborted["requests"]), aborted  # running ones and queued ones
+    assert len(res["outputs"]) == 1000
+    for i, out in enumerate(res["outputs"]):
+        assert len(out) == (0 if i in aborted["requests"] else 3), i
     assert res["preemptions"] > 0, "the KV space was meant to force preemption"
     assert res["tails_left"] == 0
 

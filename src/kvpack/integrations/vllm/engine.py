@@ -13,6 +13,7 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
      "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
      "warmup": true, "warmup_requests": 1, "detokenize": true, "n": 1, "prompt_logprobs": false,
+     "abort": null | {"every": 3, "after_steps": 8},
      "engine_kwargs": {...more vllm.LLM arguments}}
 
 ``warmup`` runs ``warmup_requests`` (default 1) requests first, outside the counts and the timing (kernel
@@ -33,6 +34,9 @@ log-probability given the tokens before it, as the prefill computed it),
 ``tails_left`` (kvpack tails still held once drained, summed over the workers: after the step that tells the
 workers which requests finished, which a serving engine runs at once and ``LLM.generate`` at its next call; null
 for vLLM's cache),
+``aborted`` (with ``"abort": {"every": K, "after_steps": N}`` in the job: ``{"requests": [...], "running": n}``, the
+indices of the requests aborted after ``N`` engine steps, every ``K``-th one not yet finished then, whose
+``outputs`` are empty, and how many of them were running; else null),
 ``reserves_reopened`` (with speculative decoding: sealed blocks that rejected drafts wrote into again, from their
 reserves, summed over the workers and the warm-up; null for vLLM's cache), ``steps``.
 """
@@ -88,6 +92,29 @@ def _instrument(scheduler, stats: dict[str, int]) -> None:
 
     scheduler.schedule = counted_schedule
     scheduler._preempt_request = counted_preempt
+
+
+def _run_with_aborts(
+    engine, scheduler, prompts: list, params, every: int, after_steps: int
+) -> tuple[list, dict[str, Any]]:
+    """Step ``engine`` through ``prompts``, aborting every ``every``-th request (0, every, 2 * every, ...) that has
+    not finished after ``after_steps`` steps, as a server does when its clients go away. Returns the outputs (None
+    for an aborted request) and ``{"requests": indices aborted, "running": how many of them were running}``."""
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, Any] = {}
+    report: dict[str, Any] = {"requests": [], "running": 0}
+    step = 0
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+        step += 1
+        if step == after_steps:
+            report["requests"] = [i for i in range(0, len(ids), every) if ids[i] not in done]
+            running = len(scheduler.running)
+            engine.abort_request([ids[i] for i in report["requests"]])
+            report["running"] = running - len(scheduler.running)
+    return [done.get(rid) for rid in ids], report
 
 
 def _main() -> None:
@@ -160,7 +187,11 @@ def _main() -> None:
     )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    aborted = None
+    if job.get("abort"):
+        outs, aborted = _run_with_aborts(llm.llm_engine, core.scheduler, prompts, sp, **job["abort"])
+    else:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     while core.scheduler.has_requests():  # the step that tells the workers which requests finished
         llm.llm_engine.step()
@@ -170,11 +201,12 @@ def _main() -> None:
 
         tails_left = sum(llm.collective_rpc(worker_tails))
         reopened = sum(llm.collective_rpc(worker_reopened))
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs if o is not None)
     result = {
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "texts": [o.outputs[0].text for o in outs],
-        "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        "outputs": [[] if o is None else list(o.outputs[0].token_ids) for o in outs],
+        "texts": ["" if o is None else o.outputs[0].text for o in outs],
+        "cached_tokens": [0 if o is None else int(o.num_cached_tokens or 0) for o in outs],
+        "aborted": aborted,
         "num_blocks": num_blocks,
         "kv_capacity_tokens": num_blocks * kw["block_size"],
         "wall_s": wall,
