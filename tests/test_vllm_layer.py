@@ -433,7 +433,8 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
 def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     """On the CPU, requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel,
     one call per query position: all requests with the tails in place when most take part, the members' tails
-    gathered when few do. A request whose queries reach back into a block the step sealed is a chunk row unless the
+    gathered when few do; the queries before the last also as one fused call (positions as query heads), which a
+    layer without a window takes instead of those calls. A request whose queries reach back into a block the step sealed is a chunk row unless the
     step kept that block's rows in a reserve (drafts inside); a request with more queries is one too."""
     b = 16
     ql = np.array([1, 4, 1, 1, 20, 3, DECODE_QUERIES + 1])
@@ -451,6 +452,11 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     for k, p in enumerate(rest, start=1):
         assert p.rows.tolist() == [1] and p.back.tolist() == [k] and p.keep is None
         assert p.tokens.tolist() == p.dst.tolist() == [last[1] - k]
+        assert p.fused  # ... which the fused pass also holds: one call, three positions as heads
+    assert not first.fused
+    f = st.fused
+    assert f.rows.tolist() == [1] and f.cut.tolist() == [[1, 2, 3]] and f.keep.all()
+    assert f.tokens.tolist() == [[last[1] - 1, last[1] - 2, last[1] - 3]] and f.dst.tolist() == f.tokens[0].tolist()
     # with a reserve for request 5's sealed block (slot 9): its queries at positions 32 and 31 read the pages and
     # its open block (31 ends block 1: no tail rows), the one at 30 reads block 0 and the reserve's first 15 rows
     kept = types.SimpleNamespace(**{**vars(plan), "reserve_slot": np.array([-1, -1, -1, -1, -1, 9, -1])})
@@ -465,13 +471,18 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
         (False, [5], [2], [9], [last[5] - 2]),  # the reserve gathered as request 5's tail
         (False, [1], [3], None, [last[1] - 3]),
     ]
+    assert [p.fused for p in st.passes] == [False, True, True, False, True]  # the reserve's query stays its own call
+    f = st.fused  # request 5's query at 31 ends on the sealed block 1 (cut 1: no tail row); its padding dropped
+    assert f.rows.tolist() == [1, 5] and f.cut.tolist() == [[1, 2, 3], [1, 1, 1]]
+    assert f.keep.tolist() == [[True, True, True], [True, False, False]]
+    assert f.dst.tolist() == [last[1] - 1, last[1] - 2, last[1] - 3, last[5] - 1]
     dense = StepTensors.from_plan(types.SimpleNamespace(query_lens=np.ones(3, np.int64), seq_lens=sl[:3],
                                                         query_start=np.arange(4), reserve_slot=np.full(3, -1)),
                                   torch.zeros(3, 4), b)  # fmt: skip
-    assert dense.decode_dense
+    assert dense.decode_dense and dense.fused is None
     # off the CPU the decode kernel reads the history once per call: only single queries decode there
     gpu_like = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32, device="meta"), b)
-    assert gpu_like.prefill_rows.tolist() == [1, 4, 5, 6] and len(gpu_like.passes) == 1
+    assert gpu_like.prefill_rows.tolist() == [1, 4, 5, 6] and len(gpu_like.passes) == 1 and gpu_like.fused is None
 
 
 def _schedule(sim: _Sim) -> None:

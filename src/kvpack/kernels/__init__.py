@@ -163,13 +163,26 @@ def run_backend(
     sm_scale: float | None = None,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    tail_cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run backend ``name``'s decode entry (no choice, no fallback). Keys stored rotated (``kv.key_rotation``)
     are read by a backend without :attr:`Capabilities.rotated_keys` with the rotated query ``q @ R`` and a view
-    without the rotation; the reference unrotates the keys itself."""
+    without the rotation; the reference unrotates the keys itself. ``tail_cut`` (``[batch, Hq // H]`` int32:
+    several positions of a sequence as query heads, see :func:`kvpack.kernels.cpu_decode.decode_attention`) only
+    with the ``cpu`` backend.
+
+    Raises:
+        UnsupportedError: ``tail_cut`` with another backend.
+    """
     backend = _backend(name)
     q, kv = _unrotated(backend, q, kv)
-    return backend.decode_attention(q, kv, sm_scale, window, out)
+    if tail_cut is None:
+        return backend.decode_attention(q, kv, sm_scale, window, out)
+    if name != "cpu":
+        raise UnsupportedError(f"tail_cut is a CPU kernel option; backend {name!r} takes one query position per call")
+    from kvpack.kernels import cpu_decode
+
+    return cpu_decode.decode_attention(q, kv, sm_scale, window, out, tail_cut=tail_cut)
 
 
 def _unrotated(backend: DecodeBackend, q: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, PagedKV]:

@@ -492,8 +492,10 @@ def decode_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    tail_cut: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused decode attention on the CPU, one query per sequence.
+    """Fused decode attention on the CPU, one query per sequence (or, with ``tail_cut``, several positions of a
+    sequence as query heads of one call).
 
     Args:
         q: ``[batch, Hq, D]``, float32/float16/bfloat16; ``Hq`` a multiple of ``kv.kv_heads``.
@@ -501,12 +503,18 @@ def decode_attention(
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         window: attend only the last ``window`` positions (the query's included); ``None`` for all.
         out: optional ``[batch, Hq, D]`` buffer, dtype of ``q``.
+        tail_cut: optional ``[batch, Hq // H]`` int32: query head ``h * G + g`` of row ``b`` attends the history up to
+            ``tail_cut[b, g]`` positions before the row's last, inside the tail only (``0 <= tail_cut[b, g] <=
+            min(seq_len % block_size, seq_len - 1)``: the sealed blocks are every head's). So the queries of a token and its drafts
+            (positions ``seq_len - 1 - k``) go as heads of one call, the sealed blocks read once for all of them.
+            No window with it.
 
     Returns:
         ``[batch, Hq, D]`` in ``q.dtype`` (``out`` when given).
 
     Raises:
-        ShapeError: inconsistent shapes or dtypes, a block id outside the pools, an empty sequence.
+        ShapeError: inconsistent shapes or dtypes, a block id outside the pools, an empty sequence, a ``tail_cut``
+            of the wrong shape or reaching past the tail, or with a window.
         UnsupportedError: a view of rotated keys (``kv.key_rotation``): go through
             :func:`kvpack.kernels.decode_attention`, which rotates the query.
     """
@@ -523,6 +531,7 @@ def decode_attention(
         _check_outlier_channels(kv)
     start = _NO_START if kv.start_pos is None else kv.start_pos.contiguous().numpy()
     win = -1 if window is None else int(window)
+    cuts = _NO_CUT if tail_cut is None else _tail_cuts(tail_cut, seq_lens, q.shape[1] // kv.kv_heads, b, window)
     threads = max(1, torch.get_num_threads())
     g = q.shape[1] // kv.kv_heads
     err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.prepare_launch(
@@ -555,6 +564,7 @@ def decode_attention(
         tables,
         seq_lens,
         kernel_start,
+        cuts,
         win,
         np.float32(sm * _LOG2E),
         kv.kv_heads,
@@ -582,6 +592,30 @@ def decode_attention(
 
 
 _NO_START = np.zeros(0, np.int32)  # prepare_launch's start_pos when there is none (0 for every row)
+_NO_CUT = np.zeros((0, 0), np.int32)  # the kernel's tail cuts when there are none
+
+
+def _tail_cuts(
+    tail_cut: torch.Tensor, seq_lens: np.ndarray, group: int, block_size: int, window: int | None
+) -> np.ndarray:
+    """``tail_cut`` checked (see :func:`decode_attention`) as the kernel's ``[batch, G]`` int32 array."""
+    if window is not None:
+        raise ShapeError(
+            "tail_cut with a window: each position would need its own window start; call once per position"
+        )
+    want = (seq_lens.shape[0], group)
+    if tuple(tail_cut.shape) != want or tail_cut.dtype != torch.int32:
+        raise ShapeError(f"tail_cut must be {list(want)} int32 (one cut per row and query head of a group), got "
+                         f"{list(tail_cut.shape)} {tail_cut.dtype}")  # fmt: skip
+    cuts = np.ascontiguousarray(tail_cut.numpy())
+    most = np.minimum(seq_lens % block_size, seq_lens.astype(np.int64) - 1)[:, None]
+    if cuts.size and (cuts.min() < 0 or (cuts > most).any()):
+        raise ShapeError(
+            "tail_cut must lie in [0, min(seq_len % block_size, seq_len - 1)] (a cut query's history ends inside its "
+            f"tail, or at its last sealed block, and holds a position); got {cuts.tolist()} for seq_lens "
+            f"{seq_lens.tolist()}"
+        )
+    return cuts
 
 
 def _raise_contents(err: int, seq_lens: np.ndarray, tables: np.ndarray, num_blocks: int) -> None:

@@ -107,8 +107,10 @@ N_PARAMS = 22
 # One side of the cache (keys or values, sealed blocks or tails) as the kernel reads it: flat (uint8, uint16, float32)
 # views of the payload, flat views of the scales and zero-points, and its spec vector (``P_*``).
 Pool = namedtuple("Pool", "pay scl zero p")
-# The step's rows: block tables ``[batch, max_blocks]`` int32, seq_lens and start positions ``[batch]`` int32.
-Rows = namedtuple("Rows", "tables seq_lens start_pos")
+# The step's rows: block tables ``[batch, max_blocks]`` int32, seq_lens and start positions ``[batch]`` int32, and
+# the tail cuts ``[batch, G]`` int32 (no rows: none): query head ``g`` of row ``b`` stops ``cuts[b, g]`` positions
+# before the row's last (several positions of one sequence as heads of one call: see :func:`work`).
+Rows = namedtuple("Rows", "tables seq_lens start_pos cuts")
 # The work items' partial results: base-2 max and sum ``[n_items, G]``, unnormalized output ``[n_items, G, D]``.
 Partials = namedtuple("Partials", "m l acc")
 
@@ -132,7 +134,7 @@ Scratch = namedtuple(
 )
 # A run of blocks' scratch (:func:`_attend_multi`): scores then weights (msc), int16 weights (mw), value scales
 # and zero-points per block (msv, mzv), each block's largest score then weight (mpk) and weight unit (mwinv).
-RunScratch = namedtuple("RunScratch", "msc mw msv mzv mpk mwinv")
+RunScratch = namedtuple("RunScratch", "msc mw msv mzv mpk mwinv nocut")
 
 U64 = np.uint64
 _LOG2_MIN = np.float32(-126.0)
@@ -1174,7 +1176,7 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
     vpay, vscl, vzero, vp = values
     qp, m, lsum, acc, zacc, w, qf, kc = st.qp, st.m, st.lsum, st.acc, st.zacc, st.w, st.qf, st.kc
     sk, zk, pk, zp, q16, qinv = st.sk, st.zk, st.pk, st.zp, st.q16, st.qinv
-    msc, mw, msv, mzv, mpk, mwinv = mt
+    msc, mw, msv, mzv, mpk, mwinv = mt.msc, mt.mw, mt.msv, mt.mzv, mt.mpk, mt.mwinv
     g_n, d = w.shape[0], qp.shape[1]
     lw = msc.shape[1]  # row stride of the scores and of the int16 weights
     kdp = d // kp[P_PER]
@@ -1321,7 +1323,7 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
 
 @njit(fastmath=FASTMATH, **_NOREF)
 def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
-            kout, kidx):  # fmt: skip
+            kout, kidx, cut):  # fmt: skip
     """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only;
     blocks before ``jp`` (``>= j1``) may be prefetched: the thread's next work item may go on from ``j1``.
 
@@ -1339,6 +1341,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``), blocks
     ``kp[P_OBST]`` and ``kp[P_IBST]`` elements apart; ``nout`` is ``kp[P_NOUT]`` (0: the format keeps none; the
     tails' specs have 0).
+    cut: ``[G]`` int32 (the tail; no elements: none): head ``g`` attends the tail's rows before ``t1 - cut[g]``.
     """
     kpay, kscl, kzero, kp = keys
     vpay, vscl, vzero, vp = values
@@ -1469,6 +1472,17 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                     x = _order_key(row[t])
                     ib = x if x > ib else ib
                 mxb[g] = _from_order_key(ib)
+        if cut.shape[0]:  # a query before the row's last: its later tail rows masked, the max taken again
+            for g in range(g_n):
+                e = max(t1 - np.int64(cut[g]), t0)
+                if e < t1:
+                    mb = -np.inf
+                    for t in range(U64(t0), U64(e)):
+                        x = sc[g, t]
+                        mb = x if x > mb else mb
+                    for t in range(U64(e), u1):
+                        sc[g, t] = -np.inf
+                    mxb[g] = mb
         # ---- online softmax (base 2)
         for g in range(g_n):
             mb = mxb[g]
@@ -1479,6 +1493,11 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                     mb = x if x > mb else mb
             mb += kc[g]
             mnew = mb if mb > m[g] else m[g]
+            if mnew == -np.inf:  # nothing attended yet and every row of this block masked (a tail cut): no weight
+                for t in range(u0, u1):
+                    sc[g, t] = _ZERO
+                mxb[g] = _ZERO
+                continue
             mxb[g] = _exp2(mb - mnew)  # the block's largest weight p (bounds the int16 weights)
             alpha = _exp2(m[g] - mnew)
             shift = kc[g] - mnew
@@ -1608,7 +1627,7 @@ def _attend_runs(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st
                 continue
         # released (skipped inside), the window starts in it, or its operands do not fit the integer path
         _attend(keys, values, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
-                kout, kidx)  # fmt: skip
+                kout, kidx, mt.nocut)  # fmt: skip
         j += 1
 
 
@@ -1774,7 +1793,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
     ``[n_items, G, D]`` in natural channel order.
     """
     kp, vp = keys.p, values.p
-    tables, seq_lens, start_pos = rows
+    tables, seq_lens, start_pos, cuts = rows
     pm, pl, pacc = parts
     hq, d = q.shape[1], q.shape[2]
     g_n = hq // kv_heads
@@ -1805,8 +1824,10 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
           np.zeros(g4, np.float32))  # fmt: skip
     multi = _multi_eligible(kp, vp)
     nm = kp[P_MULTI] if multi else 1
+    nocut = np.zeros(0, np.int32)  # sealed blocks: every head attends all of them
     mt = RunScratch(np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
-          np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
+          np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32),
+          nocut)  # fmt: skip
     # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
     # packed in planes, the accumulator put into natural order before the tail
     qn = np.zeros((g4, d), np.float32)
@@ -1842,7 +1863,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                              n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
             else:
                 _attend(keys, values, tables, b, items[it, 2], items[it, 3], n // bs, n,
-                        lo, False, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
+                        lo, False, h, kv_heads, bs, st, kout, kidx, nocut)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
                 for g in range(g_n):
                     for c in range(d):
@@ -1857,7 +1878,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                     natural = True
                 tailed = True
                 _attend(tail_keys, tail_values, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
-                        bs, stn, kout, kidx)  # fmt: skip
+                        bs, stn, kout, kidx, cuts[b] if cuts.shape[0] else nocut)  # fmt: skip
             nx = take_item(runs, t)
             if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3] or tailed:
                 break
@@ -1889,22 +1910,22 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
 
 @njit(nogil=True)
 def _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables,
-                seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+                seq_lens, start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`work` for thread ``t``, its arguments bundled from the flat ones the launchers take."""
     work(t, runs, items, q, Pool(kpay, kscl, kzero, kp), Pool(vpay, vscl, vzero, vp),
-         Pool(tailk, kscl, kzero, tpk), Pool(tailv, vscl, vzero, tpv), Rows(tables, seq_lens, start_pos),
+         Pool(tailk, kscl, kzero, tpk), Pool(tailv, vscl, vzero, tpv), Rows(tables, seq_lens, start_pos, cuts),
          window, qscale, kv_heads, block_size, Partials(pm, pl, pacc), kout, kidx)  # fmt: skip
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-           start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+           start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`work` on ``n`` threads of numba's pool, thread ``t`` from ``0`` to ``n - 1`` (one iteration each;
     a thread that gets two runs them one after the other, and :func:`take_item` balances the items either way).
 
     The arguments are flat (arrays and numbers: kpay/vpay the payload views, kscl/vscl and kzero/vzero the scale
     and zero-point views, kp/vp the specs' parameter vectors, tailk/tailv and tpk/tpv the tails' views and
-    vectors, tables/seq_lens/start_pos the rows, pm/pl/pacc the partials): numba's dispatcher types an array in C
+    vectors, tables/seq_lens/start_pos/cuts the rows, pm/pl/pacc the partials): numba's dispatcher types an array in C
     and a tuple in Python, element by element. Each thread bundles them (:func:`_run_thread`).
 
     One compiled call starts every thread, where a Python thread pool pays a dispatcher call per thread under
@@ -1915,15 +1936,16 @@ def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tail
     # 0, work compiled three times: 75 s more of the first compile on one core)
     for t in prange(n):
         _run_thread(np.int64(t), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
-                    tables, seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+                    tables, seq_lens, start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout,
+                    kidx)  # fmt: skip
 
 
 @njit(nogil=True, cache=True)
 def launch_one(runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-               start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
+               start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
     """:func:`launch` on the calling thread alone (no parallel region: one run of items)."""
     _run_thread(np.int64(0), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
-                tables, seq_lens, start_pos, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+                tables, seq_lens, start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -60,6 +60,8 @@ class DecodePass:
         keep: ``[Rm]`` int64 rows of the call whose output is kept (None: all); dst: ``[Rm]`` int64 their tokens.
         slots: ``[Rk]`` int64 the tail slots gathered for ``rows`` (None: the rows' own, slot ``i`` for request
             ``i``): reserves, for queries in a block the step sealed.
+        fused: the step's :class:`FusedPass` covers this pass's queries (a layer whose kernel can take it skips
+            this pass).
     """
 
     rows: torch.Tensor | None
@@ -68,6 +70,29 @@ class DecodePass:
     keep: torch.Tensor | None
     dst: torch.Tensor
     slots: torch.Tensor | None = None
+    fused: bool = False
+
+
+@dataclass(frozen=True)
+class FusedPass:
+    """The queries before each request's last that lie in its open block (a token's drafts, a short prefill
+    chunk), all in one call of the CPU decode kernel: ``K`` positions of a request as more query heads of its
+    group, each cut to its own history inside the tail (``tail_cut``), the sealed blocks read once for all.
+
+    Attributes:
+        rows: ``[Rf]`` int64 the requests (their tails gathered).
+        tokens: ``[Rf, K]`` int64 the query token of position ``j`` (``cut[r, j]`` places before the last); a
+            request with fewer such queries repeats its earliest (``keep`` False).
+        cut: ``[Rf, K]`` int32 each position's distance from its request's last query.
+        keep: ``[Rf, K]`` bool the positions whose output is kept; dst: ``[M]`` int64 their tokens, in ``keep``'s
+            row-major order.
+    """
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    cut: torch.Tensor
+    keep: torch.Tensor
+    dst: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,8 @@ class StepTensors:
             and no reserve is a chunk row.
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
+        fused: on the CPU, the queries of the ``passes`` marked ``fused`` as one call (:class:`FusedPass`), which
+            a layer without a window takes when its decode backend is the CPU kernel; None where there are none.
     """
 
     block_table: torch.Tensor
@@ -92,6 +119,7 @@ class StepTensors:
     passes: tuple[DecodePass, ...]
     prefill_rows: np.ndarray
     decode_dense: bool = False
+    fused: FusedPass | None = None
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor, block_size: int) -> StepTensors:
@@ -124,6 +152,7 @@ class StepTensors:
                     back=_dev(back.astype(np.int32), dev) if k else None,
                     keep=_dev(idx, dev) if everyone and idx.size < r else None,
                     dst=_dev(tok[idx], dev),
+                    fused=k > 0 and dev.type == "cpu",
                 ))  # fmt: skip
             idx = np.nonzero(back_in)[0]
             if idx.size:
@@ -141,7 +170,26 @@ class StepTensors:
             passes=tuple(passes),
             prefill_rows=np.nonzero(~decodable)[0],
             decode_dense=dense,
+            fused=_fused_pass(decodable, ql, open_rows, last, dev) if dev.type == "cpu" else None,
         )
+
+
+def _fused_pass(
+    decodable: np.ndarray, ql: np.ndarray, open_rows: np.ndarray, last: np.ndarray, dev: torch.device
+) -> FusedPass | None:
+    """The :class:`FusedPass` of the decode passes' queries ``k >= 1`` places before their request's last that lie
+    in its open block (``k <= seq_len % block_size``), or None where there are none."""
+    most = np.where(decodable, np.minimum(ql - 1, open_rows), 0)  # each request's furthest such query
+    rows = np.nonzero(most > 0)[0]
+    if not rows.size:
+        return None
+    kk = int(most[rows].max())
+    k = np.arange(1, kk + 1)[None, :]  # [1, K]
+    keep = k <= most[rows, None]
+    cut = np.where(keep, k, most[rows, None])  # short requests repeat their earliest query, dropped
+    tokens = last[rows, None] - cut
+    return FusedPass(rows=_dev(rows, dev), tokens=_dev(tokens, dev), cut=_dev(cut.astype(np.int32), dev),
+                     keep=_dev(keep, dev), dst=_dev(tokens[keep], dev))  # fmt: skip
 
 
 def _dev(a: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -406,7 +454,11 @@ class PagedLayer:
             if res is not dst:
                 dst.copy_(res)
         else:
+            fused = st.fused is not None and self.window is None and self._attend_fused(kv_cache, st, query, out,
+                                                                                        sm_scale, kernel)  # fmt: skip
             for p in st.passes:
+                if fused and p.fused:
+                    continue
                 kv = self.view(kv_cache, st, p.rows, p.back, p.slots)
                 q = query[p.tokens]
                 res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window)
@@ -425,6 +477,27 @@ class PagedLayer:
                 res = run_chunk_backend(name, q, kv, sm_scale, self.window)
             for a, r in zip(starts, res):
                 out[a : a + t] = r.to(out.dtype)
+
+    def _attend_fused(
+        self, kv_cache: torch.Tensor, st: StepTensors, query: torch.Tensor, out: torch.Tensor, sm_scale: float,
+        kernel: str,
+    ) -> bool:  # fmt: skip
+        """Attend ``st.fused`` in one CPU decode call (positions as query heads, see :class:`FusedPass`); False,
+        with nothing written, where this view's decode backend is not the CPU kernel."""
+        f = st.fused
+        kv = self.view(kv_cache, st, f.rows)
+        rf, kk = f.tokens.shape
+        q = query[f.tokens]  # [Rf, K, Hq, D]
+        if self._decode_backend(q[:, 0], kv, kernel) != "cpu":
+            return False
+        h, hq, d = self.kv_heads, q.shape[2], q.shape[3]
+        g = hq // h
+        # position j of request r as heads [h * K * G + j * G, ...) of kv head h: the group of h grows K-fold
+        qm = q.view(rf, kk, h, g, d).transpose(1, 2).reshape(rf, h * kk * g, d)
+        res = run_backend("cpu", qm, kv, sm_scale, None, tail_cut=f.cut.repeat_interleave(g, dim=1))
+        res = res.view(rf, h, kk, g, d).transpose(1, 2).reshape(rf, kk, hq, d)
+        out[f.dst] = res[f.keep].to(out.dtype)
+        return True
 
 
 class _Rows:
