@@ -2,9 +2,12 @@
 token and its drafts (``kvpack.integrations.vllm.layer.DECODE_QUERIES``).
 
 On the embedded model's shape (3 kv heads, 9 query heads, head_dim 64) over a random cache of ``--batch`` sequences
-of 250-450 tokens, times one ``decode_attention`` call (one query per sequence) and one ``chunk_attention`` call
-per number of queries in ``--queries``; each the median of five rounds of back-to-back calls, in microseconds. The
-decode kernel's cost for T queries is about T decode calls (the backend makes one per query position).
+of 250-450 tokens, times one ``decode_attention`` call (one query per sequence) and, per number of queries ``T``
+in ``--queries``, one ``chunk_attention`` call (``chunk_T_us``), ``T`` decode calls, one per position, each history
+cut to its position (``calls_T_us``: what the vLLM backend did for a token and its drafts), and one decode call with
+the ``T`` positions as query heads (``fused_T_us``, ``tail_cut``: what it does now); each the median of five rounds
+of back-to-back calls, in microseconds. Every query lies in its sequence's open block: the lengths are moved to
+leave ``max(T) - 1`` tail rows at least.
 
     python benchmarks/cpu_few_queries.py --format int8 --threads 2
 """
@@ -12,6 +15,7 @@ decode kernel's cost for T queries is about T decode calls (the backend makes on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -21,7 +25,7 @@ import numpy as np
 import torch
 
 from kvpack.formats import parse_format
-from kvpack.kernels import chunk_attention, decode_attention
+from kvpack.kernels import chunk_attention, decode_attention, run_backend
 from kvpack.testing import random_paged_kv
 
 H, HQ, D = 3, 9, 64
@@ -48,14 +52,34 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    fmt = parse_format(args.format)
+    counts = [int(x) for x in args.queries.split(",")]
+    b, most = fmt.block_size, max(counts) - 1
     lens = [int(n) for n in np.random.default_rng(0).integers(250, 450, args.batch)]
-    kv, _, _ = random_paged_kv(parse_format(args.format), lens, kv_heads=H, head_dim=D, seed=0)
+    lens = [n if n % b >= most else n + most - n % b for n in lens]  # every query in the open block
+    kv, _, _ = random_paged_kv(fmt, lens, kv_heads=H, head_dim=D, seed=0)
     q1 = torch.randn(args.batch, HQ, D)
     row = {"format": args.format, "batch": args.batch, "threads": args.threads}
     row["decode_us"] = round(_median_us(lambda: decode_attention(q1, kv, backend="cpu"), args.calls), 1)
-    for t in (int(x) for x in args.queries.split(",")):
+    g = HQ // H
+    for t in counts:
         q = torch.randn(args.batch, t, HQ, D)
         row[f"chunk_{t}_us"] = round(_median_us(lambda q=q: chunk_attention(q, kv, backend="cpu"), args.calls), 1)
+        if t == 1:
+            continue
+        cuts = [dataclasses.replace(kv, seq_lens=kv.seq_lens - (t - 1 - j)) for j in range(t)]
+
+        def calls(q=q, cuts=cuts):
+            for j, at in enumerate(cuts):
+                decode_attention(q[:, j], at, backend="cpu")
+
+        heads = q.view(args.batch, t, H, g, D).transpose(1, 2).reshape(args.batch, H * t * g, D)
+        cut = torch.tensor([t - 1 - j for j in range(t)], dtype=torch.int32).repeat_interleave(g)
+        cut = cut.expand(args.batch, -1).contiguous()
+        row[f"calls_{t}_us"] = round(_median_us(calls, args.calls), 1)
+        row[f"fused_{t}_us"] = round(
+            _median_us(lambda heads=heads, cut=cut: run_backend("cpu", heads, kv, tail_cut=cut), args.calls), 1
+        )
     print(json.dumps(row))
 
 
