@@ -11,7 +11,7 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
    ``< S`` to the first page's sink rows;
 3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
    view (:func:`kvpack.kernels.run_backend`), which reads the packed pages
-   in place; rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
+   in place, as are, on the CPU, a token's drafts (:class:`FusedPass`: positions as query heads of one call); rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
    the fused chunk kernel (:func:`kvpack.kernels.run_chunk_backend`; rows with the same number of queries in one
    call), or :func:`kvpack.kernels.reference.paged_attention_reference` where none can run.
 """
@@ -37,15 +37,17 @@ from kvpack.kernels.views import PagedKV
 from kvpack.quant import _raise_non_finite, all_finite, quantize
 from kvpack.rotation import key_rotation, rotate
 
-__all__ = ["DECODE_QUERIES", "DecodePass", "PagedLayer", "StepTensors"]
+__all__ = ["DECODE_QUERIES", "DecodePass", "FusedPass", "PagedLayer", "StepTensors"]
 
 
 # A request with up to this many queries in a step (a token and its drafts, a short prefill chunk) is read by the
-# decode kernel, one call per query position, rather than by the chunk kernel, when its queries share the open
-# block: the chunk kernel decodes every block to floats for any number of queries and costs ~9x a decode call at
-# one query (32 requests of ~350 int8 tokens on two threads: 3.5 ms against 0.38 ms, 4.4 ms at four queries, 5.0 ms
-# at eight; int4 13x: benchmarks/cpu_few_queries.py). On a GPU the decode kernel is bound by the bytes it reads,
-# which a call per query multiplies, and the chunk kernel reads them once: there only single queries decode.
+# decode kernel rather than by the chunk kernel when its queries share the open block: the last queries in one call,
+# the earlier ones as more query heads of one more call (FusedPass; one call per position in a sliding-window layer).
+# The chunk kernel decodes every block to floats for any number of queries and costs ~9x a decode call at one query
+# (32 requests of ~350 int8 tokens on two threads: 3.8 ms against 0.43 ms, 4.1 ms at four queries, where the decode
+# kernel takes 1.1 ms fused and 1.75 ms as a call per position; 5.1 ms at eight; int4 15x:
+# benchmarks/cpu_few_queries.py). On a GPU the decode kernel is bound by the bytes it reads, which a call per query
+# multiplies, and the chunk kernel reads them once: there only single queries decode.
 DECODE_QUERIES = 8
 
 
