@@ -454,8 +454,8 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
         assert p.tokens.tolist() == p.dst.tolist() == [last[1] - k]
         assert p.fused  # ... which the fused pass also holds: one call, three positions as heads
     assert not first.fused
-    f = st.fused
-    assert f.rows.tolist() == [1] and f.cut.tolist() == [[1, 2, 3]] and f.keep.all()
+    (f,) = st.fused
+    assert f.rows.tolist() == [1] and f.cut.tolist() == [[1, 2, 3]] and f.keep.all() and f.back is None
     assert f.tokens.tolist() == [[last[1] - 1, last[1] - 2, last[1] - 3]] and f.dst.tolist() == f.tokens[0].tolist()
     # with a reserve for request 5's sealed block (slot 9): its queries at positions 32 and 31 read the pages and
     # its open block (31 ends block 1: no tail rows), the one at 30 reads block 0 and the reserve's first 15 rows
@@ -471,18 +471,21 @@ def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
         (False, [5], [2], [9], [last[5] - 2]),  # the reserve gathered as request 5's tail
         (False, [1], [3], None, [last[1] - 3]),
     ]
-    assert [p.fused for p in st.passes] == [False, True, True, False, True]  # the reserve's query stays its own call
-    f = st.fused  # request 5's query at 31 ends on the sealed block 1 (cut 1: no tail row); its padding dropped
+    assert [p.fused for p in st.passes] == [False, True, True, True, True]
+    f, r = st.fused  # request 5's query at 31 ends on the sealed block 1 (cut 1: no tail row); its padding dropped
     assert f.rows.tolist() == [1, 5] and f.cut.tolist() == [[1, 2, 3], [1, 1, 1]]
     assert f.keep.tolist() == [[True, True, True], [True, False, False]]
     assert f.dst.tolist() == [last[1] - 1, last[1] - 2, last[1] - 3, last[5] - 1]
+    # its query at 30, in the block the step sealed: a history cut by 2, the reserve (slot 9) as its tail
+    assert r.rows.tolist() == [5] and r.back.tolist() == [2] and r.slots.tolist() == [9]
+    assert r.cut.tolist() == [[0]] and r.dst.tolist() == [last[5] - 2]
     dense = StepTensors.from_plan(types.SimpleNamespace(query_lens=np.ones(3, np.int64), seq_lens=sl[:3],
                                                         query_start=np.arange(4), reserve_slot=np.full(3, -1)),
                                   torch.zeros(3, 4), b)  # fmt: skip
-    assert dense.decode_dense and dense.fused is None
+    assert dense.decode_dense and dense.fused == ()
     # off the CPU the decode kernel reads the history once per call: only single queries decode there
     gpu_like = StepTensors.from_plan(plan, torch.zeros(7, 4, dtype=torch.int32, device="meta"), b)
-    assert gpu_like.prefill_rows.tolist() == [1, 4, 5, 6] and len(gpu_like.passes) == 1 and gpu_like.fused is None
+    assert gpu_like.prefill_rows.tolist() == [1, 4, 5, 6] and len(gpu_like.passes) == 1 and gpu_like.fused == ()
 
 
 def _schedule(sim: _Sim) -> None:

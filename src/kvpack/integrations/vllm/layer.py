@@ -77,17 +77,21 @@ class DecodePass:
 
 @dataclass(frozen=True)
 class FusedPass:
-    """The queries before each request's last that lie in its open block (a token's drafts, a short prefill
-    chunk), all in one call of the CPU decode kernel: ``K`` positions of a request as more query heads of its
-    group, each cut to its own history inside the tail (``tail_cut``), the sealed blocks read once for all.
+    """Queries before each request's last (a token's drafts, a short prefill chunk) in one call of the CPU decode
+    kernel: ``K`` positions of a request as more query heads of its group, each cut to its own history inside the
+    tail (``tail_cut``), the sealed blocks read once for all. Either the queries in the open block, or those in a
+    block the step sealed, whose tail is then the block's reserve (``slots``) and whose history ends ``back``
+    before the last.
 
     Attributes:
         rows: ``[Rf]`` int64 the requests (their tails gathered).
-        tokens: ``[Rf, K]`` int64 the query token of position ``j`` (``cut[r, j]`` places before the last); a
-            request with fewer such queries repeats its earliest (``keep`` False).
-        cut: ``[Rf, K]`` int32 each position's distance from its request's last query.
+        tokens: ``[Rf, K]`` int64 the query token of position ``j``; a request with fewer such queries repeats
+            its first (``keep`` False).
+        cut: ``[Rf, K]`` int32 each position's distance from the end of its request's history in the view.
         keep: ``[Rf, K]`` bool the positions whose output is kept; dst: ``[M]`` int64 their tokens, in ``keep``'s
             row-major order.
+        back: ``[Rf]`` int32 positions the view cuts each history by (None: none); slots: ``[Rf]`` int64 the tail
+            slots gathered (None: the rows' own).
     """
 
     rows: torch.Tensor
@@ -95,6 +99,8 @@ class FusedPass:
     cut: torch.Tensor
     keep: torch.Tensor
     dst: torch.Tensor
+    back: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,9 @@ class StepTensors:
             and no reserve is a chunk row.
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
-        fused: on the CPU, the queries of the ``passes`` marked ``fused`` as one call (:class:`FusedPass`), which
-            a layer without a window takes when its decode backend is the CPU kernel; None where there are none.
+        fused: on the CPU, the queries of the ``passes`` marked ``fused`` in at most two calls (:class:`FusedPass`:
+            those in the open block, those in a block the step sealed), which a layer without a window takes when
+            its decode backend is the CPU kernel.
     """
 
     block_table: torch.Tensor
@@ -121,7 +128,7 @@ class StepTensors:
     passes: tuple[DecodePass, ...]
     prefill_rows: np.ndarray
     decode_dense: bool = False
-    fused: FusedPass | None = None
+    fused: tuple[FusedPass, ...] = ()
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor, block_size: int) -> StepTensors:
@@ -165,6 +172,7 @@ class StepTensors:
                     keep=None,
                     dst=_dev(tok[idx], dev),
                     slots=_dev(reserve[idx], dev),
+                    fused=dev.type == "cpu",
                 ))  # fmt: skip
         return cls(
             block_table=block_table.to(torch.int32),
@@ -172,26 +180,48 @@ class StepTensors:
             passes=tuple(passes),
             prefill_rows=np.nonzero(~decodable)[0],
             decode_dense=dense,
-            fused=_fused_pass(decodable, ql, open_rows, last, dev) if dev.type == "cpu" else None,
+            fused=_fused_passes(decodable, ql, open_rows, reserve, last, dev) if dev.type == "cpu" else (),
         )
 
 
-def _fused_pass(
-    decodable: np.ndarray, ql: np.ndarray, open_rows: np.ndarray, last: np.ndarray, dev: torch.device
-) -> FusedPass | None:
-    """The :class:`FusedPass` of the decode passes' queries ``k >= 1`` places before their request's last that lie
-    in its open block (``k <= seq_len % block_size``), or None where there are none."""
-    most = np.where(decodable, np.minimum(ql - 1, open_rows), 0)  # each request's furthest such query
+def _fused_passes(
+    decodable: np.ndarray, ql: np.ndarray, open_rows: np.ndarray, reserve: np.ndarray, last: np.ndarray,
+    dev: torch.device,
+) -> tuple[FusedPass, ...]:  # fmt: skip
+    """The :class:`FusedPass` es of the decode passes' queries ``k >= 1`` places before their request's last: those
+    in the open block (``1 <= k <= seq_len % block_size``), and those in the block the step sealed, read from its
+    reserve (``k > seq_len % block_size``: the view ends each history ``seq_len % block_size + 1`` before the last,
+    the reserve's first ``block_size - 1`` rows its tail)."""
+    out = []
+    most = np.where(decodable, np.minimum(ql - 1, open_rows), 0)  # each request's furthest query in the open block
     rows = np.nonzero(most > 0)[0]
-    if not rows.size:
-        return None
-    kk = int(most[rows].max())
-    k = np.arange(1, kk + 1)[None, :]  # [1, K]
-    keep = k <= most[rows, None]
-    cut = np.where(keep, k, most[rows, None])  # short requests repeat their earliest query, dropped
-    tokens = last[rows, None] - cut
-    return FusedPass(rows=_dev(rows, dev), tokens=_dev(tokens, dev), cut=_dev(cut.astype(np.int32), dev),
-                     keep=_dev(keep, dev), dst=_dev(tokens[keep], dev))  # fmt: skip
+    if rows.size:
+        out.append(_fused_pass(rows, np.ones(rows.size, np.int64), most[rows], np.zeros(rows.size, np.int64), last,
+                               dev))  # fmt: skip
+    rows = np.nonzero(decodable & (reserve >= 0) & (ql - 1 > open_rows))[0]
+    if rows.size:
+        base = open_rows[rows] + 1
+        out.append(_fused_pass(rows, base, ql[rows] - 1, base, last, dev, reserve[rows]))
+    return tuple(out)
+
+
+def _fused_pass(
+    rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, base: np.ndarray, last: np.ndarray, dev: torch.device,
+    slots: np.ndarray | None = None,
+) -> FusedPass:  # fmt: skip
+    """The queries ``lo[i] .. hi[i]`` places before the last of requests ``rows[i]``, in a view that cuts each
+    history by ``base[i]`` (with ``slots``: the reserves as tails)."""
+    n = hi - lo + 1
+    j = np.arange(int(n.max()))[None, :]  # [1, K]
+    keep = j < n[:, None]
+    k = np.where(keep, lo[:, None] + j, lo[:, None])  # short requests repeat their first query, dropped
+    tokens = last[rows, None] - k
+    return FusedPass(
+        rows=_dev(rows, dev), tokens=_dev(tokens, dev), cut=_dev((k - base[:, None]).astype(np.int32), dev),
+        keep=_dev(keep, dev), dst=_dev(tokens[keep], dev),
+        back=None if slots is None else _dev(base.astype(np.int32), dev),
+        slots=None if slots is None else _dev(slots, dev),
+    )  # fmt: skip
 
 
 def _dev(a: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -456,8 +486,8 @@ class PagedLayer:
             if res is not dst:
                 dst.copy_(res)
         else:
-            fused = st.fused is not None and self.window is None and self._attend_fused(kv_cache, st, query, out,
-                                                                                        sm_scale, kernel)  # fmt: skip
+            fused = bool(st.fused) and self.window is None and self._attend_fused(kv_cache, st, query, out, sm_scale,
+                                                                                  kernel)  # fmt: skip
             for p in st.passes:
                 if fused and p.fused:
                     continue
@@ -484,21 +514,22 @@ class PagedLayer:
         self, kv_cache: torch.Tensor, st: StepTensors, query: torch.Tensor, out: torch.Tensor, sm_scale: float,
         kernel: str,
     ) -> bool:  # fmt: skip
-        """Attend ``st.fused`` in one CPU decode call (positions as query heads, see :class:`FusedPass`); False,
-        with nothing written, where this view's decode backend is not the CPU kernel."""
-        f = st.fused
-        kv = self.view(kv_cache, st, f.rows)
-        rf, kk = f.tokens.shape
-        q = query[f.tokens]  # [Rf, K, Hq, D]
-        if self._decode_backend(q[:, 0], kv, kernel) != "cpu":
-            return False
-        h, hq, d = self.kv_heads, q.shape[2], q.shape[3]
-        g = hq // h
-        # position j of request r as heads [h * K * G + j * G, ...) of kv head h: the group of h grows K-fold
-        qm = q.view(rf, kk, h, g, d).transpose(1, 2).reshape(rf, h * kk * g, d)
-        res = run_backend("cpu", qm, kv, sm_scale, None, tail_cut=f.cut.repeat_interleave(g, dim=1))
-        res = res.view(rf, h, kk, g, d).transpose(1, 2).reshape(rf, kk, hq, d)
-        out[f.dst] = res[f.keep].to(out.dtype)
+        """Attend ``st.fused``, each in one CPU decode call (positions as query heads, see :class:`FusedPass`); False,
+        with nothing written, where the views' decode backend is not the CPU kernel (it depends on the format and the
+        view's structure alone: the same for every pass of a step)."""
+        for i, f in enumerate(st.fused):
+            kv = self.view(kv_cache, st, f.rows, f.back, f.slots)
+            rf, kk = f.tokens.shape
+            q = query[f.tokens]  # [Rf, K, Hq, D]
+            if i == 0 and self._decode_backend(q[:, 0], kv, kernel) != "cpu":
+                return False
+            h, hq, d = self.kv_heads, q.shape[2], q.shape[3]
+            g = hq // h
+            # position j of request r as heads [h * K * G + j * G, ...) of kv head h: the group of h grows K-fold
+            qm = q.view(rf, kk, h, g, d).transpose(1, 2).reshape(rf, h * kk * g, d)
+            res = run_backend("cpu", qm, kv, sm_scale, None, tail_cut=f.cut.repeat_interleave(g, dim=1))
+            res = res.view(rf, h, kk, g, d).transpose(1, 2).reshape(rf, kk, hq, d)
+            out[f.dst] = res[f.keep].to(out.dtype)
         return True
 
 
