@@ -435,6 +435,13 @@ def test_size_names_the_smaller_block_that_holds_more_where_the_tails_take_the_s
     assert "smaller blocks hold more tokens here: int8 -> 'int8,block=16' 6,016, int4 -> 'int4,block=32' 9,728" in (
         capsys.readouterr().out
     )
+    # the backend keeps a step's drafts inside one block: with 16 drafts int8's best, 16-token blocks, is no option
+    for drafts, least in (("16", 32), ("40", 64)):
+        spec = run_json(capsys, *args, "--num-speculative-tokens", drafts)["formats"]
+        sizes = [r["vllm_smaller_block"]["block_size"] for r in spec if "vllm_smaller_block" in r]
+        assert all(b >= least for b in sizes), (drafts, sizes)
+        if least == 32:
+            assert sizes == [32, 32]  # both still gain from 32-token blocks
     # a format already at the smallest block gets no suggestion, nor any where the tails are a small share
     smallest = run_json(capsys, *[a if a != "int8,int4" else "int4,block=16" for a in args])["formats"]
     assert [r["format"] for r in smallest] == ["int4,block=16"] and "vllm_smaller_block" not in smallest[0]

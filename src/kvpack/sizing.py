@@ -283,7 +283,7 @@ def estimate(
     shared_prefix: int | None = None,
     skip_invalid: bool = False,
     vllm: tuple[int, int, int] | None = None,
-    speculative: bool = False,
+    speculative: int = 0,
 ) -> SizeEstimate:
     """Size the cache of ``batch`` sequences of ``context`` tokens in each format.
 
@@ -298,8 +298,9 @@ def estimate(
             raising :class:`FormatError`.
         vllm: ``(space_bytes, max_num_seqs, act_bytes)``: also how many tokens vLLM holds in that KV space with
             each format (:func:`vllm_capacity_tokens`) and with its own cache.
-        speculative: vLLM runs speculative decoding (``num_speculative_tokens`` > 0): the backend keeps two tail
-            slots per request (a sealed block's reserve, for drafts rolled back into it).
+        speculative: vLLM's ``num_speculative_tokens`` (0: no speculative decoding): with drafts the backend keeps
+            two tail slots per request (a sealed block's reserve, for drafts rolled back into it), and a smaller
+            block it names must be longer than the drafts.
     """
     for name, v in (("context", context), ("batch", batch)):
         if not isinstance(v, int) or v <= 0:
@@ -332,7 +333,9 @@ def estimate(
     if shared_prefix is not None:
         result.fp16_shared_prefix_total_bytes = shared_prefix_bytes(fp16, context, batch, shared_prefix, h, d, n_layers)
     budget = result.cache_budget_bytes
-    space = None if vllm is None else VllmSpace(n_layers, h, d, vllm[2], vllm[0], slots, model.windows)
+    space = (
+        None if vllm is None else VllmSpace(n_layers, h, d, vllm[2], vllm[0], slots, model.windows, int(speculative))
+    )
     for fmt in formats if formats is not None else PRESETS.values():
         reasons = fmt.reasons_invalid(d)
         if reasons:
@@ -375,7 +378,7 @@ def estimate(
             raise ConfigError(f"the vLLM space, max_num_seqs and activation bytes must be positive, got {vllm}")
         page = 2 * h * d * act * 64  # vLLM's own cache, 64-token pages of K and V in the model's dtype
         result.vllm = VllmSizing(
-            space, seqs, act, space // (page * vllm_layers_per_block(n_layers, model.windows)) * 64, speculative
+            space, seqs, act, space // (page * vllm_layers_per_block(n_layers, model.windows)) * 64, bool(speculative)
         )
     if not result.rows:
         raise FormatError(f"no format can store head_dim {d}: " + "; ".join(result.skipped))
@@ -552,6 +555,7 @@ class VllmSpace:
     space_bytes: int
     seqs: int
     windows: Sequence[int | None] | None = None
+    drafts: int = 0  # num_speculative_tokens: the backend keeps a step's drafts inside one block, so blocks > drafts
 
     def tokens(self, fmt: KVFormat | LayerPlan) -> int:
         """:func:`vllm_capacity_tokens` of ``fmt`` in this space."""
@@ -573,7 +577,7 @@ def vllm_smaller_block(fmt: KVFormat, space: VllmSpace) -> tuple[KVFormat, int] 
     have = space.tokens(fmt)
     best: tuple[KVFormat, int] | None = None
     for b in VLLM_SMALLER_BLOCKS:
-        if b >= fmt.block_size or fmt.sink > b:
+        if b >= fmt.block_size or fmt.sink > b or b <= space.drafts:
             continue
         try:
             other = fmt.with_block_size(b)

@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         shared_prefix=prefix,
         skip_invalid=not args.formats,  # explicit formats must all work; the default list drops misfits
         vllm=_vllm(args),
-        speculative=_positive_int(args.num_speculative_tokens, "--num-speculative-tokens", zero=True) > 0,
+        speculative=_positive_int(args.num_speculative_tokens, "--num-speculative-tokens", zero=True),
     )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

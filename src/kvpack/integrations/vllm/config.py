@@ -343,7 +343,8 @@ def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
     if not plan.overrides:
         act = torch.empty((), dtype=model.dtype).element_size()
         windows = _windows(getattr(model, "hf_text_config", None))
-        space = VllmSpace(layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows)
+        space = VllmSpace(layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows,
+                          spec_tokens(vllm_config))  # fmt: skip
         advice = tail_advice(fmt, space)
         if advice:
             logger.warning(advice)
