@@ -433,9 +433,10 @@ def test_drafts_rejected_inside_a_block_they_sealed_reopen_it(preset, kernel):
 def test_short_query_rows_are_decode_passes_and_the_rest_chunk_rows():
     """On the CPU, requests with up to DECODE_QUERIES queries that all lie in the open block go to the decode kernel,
     one call per query position: all requests with the tails in place when most take part, the members' tails
-    gathered when few do; the queries before the last also as one fused call (positions as query heads), which a
-    layer without a window takes instead of those calls. A request whose queries reach back into a block the step sealed is a chunk row unless the
-    step kept that block's rows in a reserve (drafts inside); a request with more queries is one too."""
+    gathered when few do; the queries before the last also as fused calls (positions as query heads: those in the
+    open block, those in a block the step sealed), which a layer without a window takes instead of those calls. A
+    request whose queries reach back into a block the step sealed is a chunk row unless the step kept that block's
+    rows in a reserve (drafts inside); a request with more queries is one too."""
     b = 16
     ql = np.array([1, 4, 1, 1, 20, 3, DECODE_QUERIES + 1])
     sl = np.array([30, 36, 17, 5, 40, 33, 60])  # request 5: 33 % 16 = 1, its first query is in the block sealed

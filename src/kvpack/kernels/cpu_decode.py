@@ -505,9 +505,9 @@ def decode_attention(
         out: optional ``[batch, Hq, D]`` buffer, dtype of ``q``.
         tail_cut: optional ``[batch, Hq // H]`` int32: query head ``h * G + g`` of row ``b`` attends the history up to
             ``tail_cut[b, g]`` positions before the row's last, inside the tail only (``0 <= tail_cut[b, g] <=
-            min(seq_len % block_size, seq_len - 1)``: the sealed blocks are every head's). So the queries of a token and its drafts
-            (positions ``seq_len - 1 - k``) go as heads of one call, the sealed blocks read once for all of them.
-            No window with it.
+            min(seq_len % block_size, seq_len - 1)``: the sealed blocks are every head's). So the queries of a token
+            and its drafts (positions ``seq_len - 1 - k``) go as heads of one call, the sealed blocks read once for
+            all of them. No window with it.
 
     Returns:
         ``[batch, Hq, D]`` in ``q.dtype`` (``out`` when given).

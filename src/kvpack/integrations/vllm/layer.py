@@ -10,9 +10,9 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 2. writes the other new tokens to their request's tail slot (on the CPU in one compiled call), and positions
    ``< S`` to the first page's sink rows;
 3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
-   view (:func:`kvpack.kernels.run_backend`), which reads the packed pages
-   in place, as are, on the CPU, a token's drafts (:class:`FusedPass`: positions as query heads of one call); rows with several queries (prefill, chunked prefill, the suffix after a prefix-cache hit) through
-   the fused chunk kernel (:func:`kvpack.kernels.run_chunk_backend`; rows with the same number of queries in one
+   view (:func:`kvpack.kernels.run_backend`), which reads the packed pages in place, and so, on the CPU, a token's
+   drafts (:class:`FusedPass`: positions as query heads of one call); rows with several queries (prefill, chunked
+   prefill, the suffix after a prefix-cache hit) through the fused chunk kernel (:func:`kvpack.kernels.run_chunk_backend`; rows with the same number of queries in one
    call), or :func:`kvpack.kernels.reference.paged_attention_reference` where none can run.
 """
 
