@@ -284,8 +284,25 @@ def test_assisted_generation_crops_and_matches_fp16(monkeypatch):
     )
     assert torch.equal(out, ref)
     assert sum(n < 0 for n in crops) > 10  # rejected draft tokens were rolled back, across the block boundary
+    assert cache.fused_position_calls > 0  # candidates inside the tail: one fused decode call a layer
     assert cache.get_seq_length() == out.shape[1] - 1
     assert cache.paged.problems() == []
+
+
+@torch.inference_mode()
+def test_a_few_new_tokens_in_the_tail_are_one_fused_decode_call(models):
+    """Assisted generation's candidates: a few new tokens that all lie in the tail go through the CPU decode kernel
+    once, the positions as query heads; the logits are DynamicCache's, left padding included."""
+    model = models["llama"]
+    ids, mask = _batch(prompt_len=74)
+    cache = kvpack.hf.cache_for(model, EXACT, batch_size=2)
+    model(input_ids=ids[:, :70], attention_mask=mask[:, :70], **{kt.cache_kwarg(model): cache})
+    got = model(input_ids=ids[:, 70:], attention_mask=mask, **{kt.cache_kwarg(model): cache}).logits
+    assert cache.fused_position_calls == _layers(model) == cache.chunk_calls  # the prompt took the chunk path
+    dense = DynamicCache(config=model.config)
+    model.set_attn_implementation("sdpa")
+    expected = model(input_ids=ids, attention_mask=mask, **{kt.cache_kwarg(model): dense}).logits[:, 70:]
+    assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()

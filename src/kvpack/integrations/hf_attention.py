@@ -6,7 +6,9 @@ calls :func:`kvpack_attention` (registered in ``AttentionInterface``) with the :
 :meth:`kvpack.integrations.transformers.KVPackCache.update` returned in place of dense keys and values:
 
 * one new token per sequence (a decode step): the fused decode kernel, :func:`kvpack.kernels.decode_attention`;
-* several (prefill, a question after a cached document, the candidates of assisted generation):
+* a few that all lie in each sequence's tail (the candidates of assisted generation, a short chunk), on the CPU:
+  the same kernel once, the positions as more query heads, each cut to its own history (:func:`_fused_positions`);
+* several (prefill, a question after a cached document, longer verifications):
   :func:`chunk_attention`: the fused multi-query kernel (:func:`kvpack.kernels.chunk_attention`) where one can
   run, else SDPA over the history dequantized once per sequence.
 """
@@ -186,6 +188,34 @@ def _decode_backend(cache: Any, layer: int, q: torch.Tensor, kv: PagedKV, window
     return hit
 
 
+# A forward of up to this many new tokens that all lie in each sequence's tail runs the CPU decode kernel once, the
+# positions as query heads (``tail_cut``), rather than the chunk kernel, which decodes every block into floats for
+# any number of queries: four queries of 32 int8 sequences of 250-450 tokens on two threads take 1.1 ms there
+# against 4.1 ms (python benchmarks/cpu_few_queries.py --format int8 --threads 2).
+FUSED_QUERIES = 8
+
+
+def _fused_positions(
+    cache: Any, layer: int, query: torch.Tensor, kv: PagedKV, window: int | None, scaling: float | None
+) -> torch.Tensor | None:
+    """``[batch, T, Hq, D]``: the ``T`` new positions' attention (``query`` ``[batch, Hq, T, D]``) in one CPU decode
+    call, position ``t`` as query heads cut ``T - 1 - t`` places before the last; None where that cannot run (more
+    than :data:`FUSED_QUERIES` positions, a window, a query in a block this forward sealed, another backend)."""
+    b, hq, t, d = query.shape
+    if t > FUSED_QUERIES or window is not None or query.device.type != "cpu":
+        return None
+    if bool((kv.seq_lens.to("cpu") % kv.block_size < t - 1).any()):  # the first query lies before the tail
+        return None
+    if _decode_backend(cache, layer, query[:, :, -1], kv, window)[0] != "cpu":
+        return None
+    h = kv.kv_heads
+    g = hq // h
+    heads = query.reshape(b, h, g, t, d).transpose(2, 3).reshape(b, h * t * g, d)  # kv head h: [T, G] heads
+    cut = torch.arange(t - 1, -1, -1, dtype=torch.int32).repeat_interleave(g).expand(b, -1).contiguous()
+    res = kernels.run_backend("cpu", heads, kv, scaling, None, tail_cut=cut)
+    return res.view(b, h, t, g, d).transpose(1, 2).reshape(b, t, hq, d)
+
+
 def _start_pos(attention_mask: Any) -> torch.Tensor | None:
     if attention_mask is None:
         return None
@@ -258,6 +288,10 @@ def kvpack_attention(
         if name != "reference":
             cache.fused_decode_calls += 1
         return out.unsqueeze(1), None  # [batch, 1, Hq, D]
+    out = _fused_positions(cache, layer, query, kv, window, scaling)
+    if out is not None:
+        cache.fused_position_calls += 1
+        return out, None
     cache.chunk_calls += 1
     return chunk_attention(query.transpose(1, 2), kv, scaling, window, cache.backend), None
 

@@ -10,7 +10,8 @@ How it plugs in (transformers 5.x, through its extension points only; no model c
   keys and values, and reads the packed cache: one new token per sequence runs the fused decode kernel
   (:func:`kvpack.kernels.decode_attention`); several (prefill, a question after a cached document, the
   candidate tokens of assisted generation) attend to the *quantized* history through the chunk path,
-  which dequantizes sealed blocks on the fly and never keeps a full-precision copy.
+  which dequantizes sealed blocks on the fly and never keeps a full-precision copy; on the CPU, a few that all
+  lie in the tail (assisted generation's candidates) go through the fused decode kernel once, as query heads.
 * :func:`kvpack_mask` is registered in ``AttentionMaskInterface`` under the same name. transformers calls it
   with the 2-D padding mask; it hands the attention function a :class:`PaddingInfo` with each sequence's
   first real position (left padding), which becomes :attr:`kvpack.kernels.PagedKV.start_pos`.
@@ -253,7 +254,9 @@ class KVPackCache(Cache):
     Attributes:
         fused_decode_calls: decode-attention calls (one per layer per step) that ran a fused kernel.
         decode_backends: ``Counter`` of backend names used by decode steps.
-        chunk_calls: attention calls over several new tokens (prefill, chunks, verification).
+        fused_position_calls: attention calls over a few new tokens in each sequence's tail (the candidates of
+            assisted generation) that ran the fused CPU decode kernel once, the positions as query heads.
+        chunk_calls: attention calls over several new tokens (prefill, chunks, longer verifications).
     """
 
     def __init__(
@@ -303,6 +306,7 @@ class KVPackCache(Cache):
         self.seq_ids: list[int] = []
         self.fused_decode_calls = 0
         self.decode_backends: Counter[str] = Counter()
+        self.fused_position_calls = 0
         self.chunk_calls = 0
         self.backend_choice: dict[tuple, tuple[str, Callable]] = {}  # (layer, q dtype, device) -> backend
         self.previous_attn_implementation: str | None = None  # set by cache_for
