@@ -5,7 +5,7 @@ On the embedded model's shape (3 kv heads, 9 query heads, head_dim 64) over a ra
 of 250-450 tokens, times one ``decode_attention`` call (one query per sequence) and, per number of queries ``T``
 in ``--queries``, one ``chunk_attention`` call (``chunk_T_us``), ``T`` decode calls, one per position, each history
 cut to its position (``calls_T_us``: what the vLLM backend did for a token and its drafts), and one decode call with
-the ``T`` positions as query heads (``fused_T_us``, ``tail_cut``: what it does now); each the median of five rounds
+the ``T`` positions as query heads (``fused_T_us``, ``kvpack.kernels.decode_positions``: what it does now); each the median of five rounds
 of back-to-back calls, in microseconds. Every query lies in its sequence's open block: the lengths are moved to
 leave ``max(T) - 1`` tail rows at least.
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvpack.formats import parse_format
-from kvpack.kernels import chunk_attention, decode_attention, run_backend
+from kvpack.kernels import chunk_attention, decode_attention, decode_positions
 from kvpack.testing import random_paged_kv
 
 H, HQ, D = 3, 9, 64
@@ -61,7 +61,6 @@ def main() -> None:
     q1 = torch.randn(args.batch, HQ, D)
     row = {"format": args.format, "batch": args.batch, "threads": args.threads}
     row["decode_us"] = round(_median_us(lambda: decode_attention(q1, kv, backend="cpu"), args.calls), 1)
-    g = HQ // H
     for t in counts:
         q = torch.randn(args.batch, t, HQ, D)
         row[f"chunk_{t}_us"] = round(_median_us(lambda q=q: chunk_attention(q, kv, backend="cpu"), args.calls), 1)
@@ -73,13 +72,9 @@ def main() -> None:
             for j, at in enumerate(cuts):
                 decode_attention(q[:, j], at, backend="cpu")
 
-        heads = q.view(args.batch, t, H, g, D).transpose(1, 2).reshape(args.batch, H * t * g, D)
-        cut = torch.tensor([t - 1 - j for j in range(t)], dtype=torch.int32).repeat_interleave(g)
-        cut = cut.expand(args.batch, -1).contiguous()
+        cut = torch.arange(t - 1, -1, -1, dtype=torch.int32).expand(args.batch, -1).contiguous()
         row[f"calls_{t}_us"] = round(_median_us(calls, args.calls), 1)
-        row[f"fused_{t}_us"] = round(
-            _median_us(lambda heads=heads, cut=cut: run_backend("cpu", heads, kv, tail_cut=cut), args.calls), 1
-        )
+        row[f"fused_{t}_us"] = round(_median_us(lambda q=q, cut=cut: decode_positions(q, kv, cut), args.calls), 1)
     print(json.dumps(row))
 
 

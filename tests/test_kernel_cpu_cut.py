@@ -9,8 +9,8 @@ import torch
 
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import parse_format
+from kvpack.kernels import decode_positions, run_backend
 from kvpack.kernels import reference as ref
-from kvpack.kernels import run_backend
 from kvpack.testing import assert_close, cpu_kernel_tolerance, random_paged_kv
 
 pytest.importorskip("numba")
@@ -25,13 +25,6 @@ def _cuts(lens: list[int], block: int) -> torch.Tensor:
     return torch.tensor([[min(T - 1 - t, n % block, n - 1) for t in range(T)] for n in lens], dtype=torch.int32)
 
 
-def _as_heads(q: torch.Tensor) -> torch.Tensor:
-    """``[batch, T, H * G, D]`` -> ``[batch, H * T * G, D]``: position ``t`` of kv head ``h``'s group as heads
-    ``h * T * G + t * G + g``."""
-    b = q.shape[0]
-    return q.view(b, T, H, G, D).transpose(1, 2).reshape(b, H * T * G, D)
-
-
 @pytest.mark.parametrize(
     ("name", "tail_dtype"),
     [("int8", torch.float32), ("int4", torch.bfloat16), ("fp8", torch.float32), ("k4v2", torch.float32),
@@ -42,12 +35,11 @@ def test_positions_as_heads_match_the_reference_at_each_position(name, tail_dtyp
     kv, _, _ = random_paged_kv(fmt, LENS, kv_heads=H, head_dim=D, tail_dtype=tail_dtype, seed=4)
     cut = _cuts(LENS, 16)
     q = torch.randn(len(LENS), T, H * G, D, generator=torch.Generator().manual_seed(1))
-    got = run_backend("cpu", _as_heads(q), kv, tail_cut=cut.repeat_interleave(G, dim=1))
-    got = got.view(len(LENS), H, T, G, D).transpose(1, 2)  # [batch, T, H, G, D]
+    got = decode_positions(q, kv, cut)  # [batch, T, H * G, D]: the positions as heads of one call
     for t in range(T):
         at = dataclasses.replace(kv, seq_lens=kv.seq_lens - cut[:, t])
         expected = ref.decode_attention(q[:, t], at, None, None, None)
-        assert_close(got[:, t].reshape(len(LENS), H * G, D), expected, *cpu_kernel_tolerance(kv), f"{name} t={t}")
+        assert_close(got[:, t], expected, *cpu_kernel_tolerance(kv), f"{name} t={t}")
 
 
 def test_cuts_that_reach_past_the_tail_or_do_not_fit_are_refused():
@@ -72,3 +64,5 @@ def test_cuts_that_reach_past_the_tail_or_do_not_fit_are_refused():
         run_backend("cpu", q, kv, window=8, tail_cut=ok)
     with pytest.raises(UnsupportedError, match="CPU kernel option"):
         run_backend("reference", q, kv, tail_cut=ok)
+    with pytest.raises(ShapeError, match="decode_positions takes"):
+        decode_positions(q.view(len(LENS), 2, H * G, D), kv, ok)  # cut [batch, T * G] for T = 2

@@ -201,19 +201,15 @@ def _fused_positions(
     """``[batch, T, Hq, D]``: the ``T`` new positions' attention (``query`` ``[batch, Hq, T, D]``) in one CPU decode
     call, position ``t`` as query heads cut ``T - 1 - t`` places before the last; None where that cannot run (more
     than :data:`FUSED_QUERIES` positions, a window, a query in a block this forward sealed, another backend)."""
-    b, hq, t, d = query.shape
+    b, t = query.shape[0], query.shape[2]
     if t > FUSED_QUERIES or window is not None or query.device.type != "cpu":
         return None
     if bool((kv.seq_lens.to("cpu") % kv.block_size < t - 1).any()):  # the first query lies before the tail
         return None
     if _decode_backend(cache, layer, query[:, :, -1], kv, window)[0] != "cpu":
         return None
-    h = kv.kv_heads
-    g = hq // h
-    heads = query.reshape(b, h, g, t, d).transpose(2, 3).reshape(b, h * t * g, d)  # kv head h: [T, G] heads
-    cut = torch.arange(t - 1, -1, -1, dtype=torch.int32).repeat_interleave(g).expand(b, -1).contiguous()
-    res = kernels.run_backend("cpu", heads, kv, scaling, None, tail_cut=cut)
-    return res.view(b, h, t, g, d).transpose(1, 2).reshape(b, t, hq, d)
+    cut = torch.arange(t - 1, -1, -1, dtype=torch.int32).expand(b, -1).contiguous()
+    return kernels.decode_positions(query.transpose(1, 2), kv, cut, scaling)
 
 
 def _start_pos(attention_mask: Any) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from kvpack.errors import UnsupportedError
+from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import DType
 from kvpack.kernels.backend import (
     CHUNK_REASON,
@@ -46,6 +46,7 @@ __all__ = [
     "choose_backend",
     "chunk_attention",
     "decode_attention",
+    "decode_positions",
     "fused_chunk_backend",
     "run_backend",
     "run_chunk_backend",
@@ -183,6 +184,39 @@ def run_backend(
     from kvpack.kernels import cpu_decode
 
     return cpu_decode.decode_attention(q, kv, sm_scale, window, out, tail_cut=tail_cut)
+
+
+def decode_positions(
+    q: torch.Tensor, kv: PagedKV, cut: torch.Tensor, sm_scale: float | None = None
+) -> torch.Tensor:  # fmt: skip
+    """Several positions of each sequence in one call of the CPU decode kernel (a token and its drafts, the
+    candidates of assisted generation): position ``t`` of row ``b`` attends the history up to ``cut[b, t]`` places
+    before the row's last, inside the tail (``tail_cut`` of :func:`kvpack.kernels.cpu_decode.decode_attention`),
+    the positions going in as more query heads of each kv head's group, so the sealed blocks are read once.
+
+    Args:
+        q: ``[batch, T, Hq, D]`` float32/float16/bfloat16, ``Hq`` a multiple of ``kv.kv_heads``.
+        kv: the layer's paged cache (every position's token already appended).
+        cut: ``[batch, T]`` int32, ``0 <= cut <= min(seq_len % block_size, seq_len - 1)``.
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[batch, T, Hq, D]`` in ``q.dtype``.
+
+    Raises:
+        ShapeError: ``q`` or ``cut`` of the wrong shape, a cut outside the tail.
+    """
+    h = kv.kv_heads
+    if q.dim() != 4 or q.shape[2] % h or tuple(cut.shape) != tuple(q.shape[:2]):
+        raise ShapeError(
+            f"decode_positions takes q [batch, T, Hq (a multiple of {h}), D] and cut [batch, T]; got q "
+            f"{list(q.shape)} and cut {list(cut.shape)}"
+        )
+    b, t, hq, d = q.shape
+    g = hq // h
+    heads = q.reshape(b, t, h, g, d).transpose(1, 2).reshape(b, h * t * g, d)  # kv head h's group: [T, G] heads
+    res = run_backend("cpu", heads, kv, sm_scale, None, tail_cut=cut.repeat_interleave(g, dim=1))
+    return res.view(b, h, t, g, d).transpose(1, 2).reshape(b, t, hq, d)
 
 
 def _unrotated(backend: DecodeBackend, q: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, PagedKV]:

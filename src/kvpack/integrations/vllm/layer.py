@@ -31,7 +31,14 @@ from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layout import PageLayout
 from kvpack.integrations.vllm.tails import StepPlan
-from kvpack.kernels import choose_backend, cpu_seal, fused_chunk_backend, run_backend, run_chunk_backend
+from kvpack.kernels import (
+    choose_backend,
+    cpu_seal,
+    decode_positions,
+    fused_chunk_backend,
+    run_backend,
+    run_chunk_backend,
+)
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
 from kvpack.quant import _raise_non_finite, all_finite, quantize
@@ -519,17 +526,10 @@ class PagedLayer:
         view's structure alone: the same for every pass of a step)."""
         for i, f in enumerate(st.fused):
             kv = self.view(kv_cache, st, f.rows, f.back, f.slots)
-            rf, kk = f.tokens.shape
             q = query[f.tokens]  # [Rf, K, Hq, D]
             if i == 0 and self._decode_backend(q[:, 0], kv, kernel) != "cpu":
                 return False
-            h, hq, d = self.kv_heads, q.shape[2], q.shape[3]
-            g = hq // h
-            # position j of request r as heads [h * K * G + j * G, ...) of kv head h: the group of h grows K-fold
-            qm = q.view(rf, kk, h, g, d).transpose(1, 2).reshape(rf, h * kk * g, d)
-            res = run_backend("cpu", qm, kv, sm_scale, None, tail_cut=f.cut.repeat_interleave(g, dim=1))
-            res = res.view(rf, h, kk, g, d).transpose(1, 2).reshape(rf, kk, hq, d)
-            out[f.dst] = res[f.keep].to(out.dtype)
+            out[f.dst] = decode_positions(q, kv, f.cut, sm_scale)[f.keep].to(out.dtype)
         return True
 
 
