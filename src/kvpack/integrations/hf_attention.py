@@ -204,7 +204,7 @@ def _fused_positions(
     b, t = query.shape[0], query.shape[2]
     if t > FUSED_QUERIES or window is not None or query.device.type != "cpu":
         return None
-    if bool((kv.seq_lens.to("cpu") % kv.block_size < t - 1).any()):  # the first query lies before the tail
+    if bool((kv.seq_lens % kv.block_size < t - 1).any()):  # the first query lies before the tail
         return None
     if _decode_backend(cache, layer, query[:, :, -1], kv, window)[0] != "cpu":
         return None

@@ -69,8 +69,6 @@ class DecodePass:
         keep: ``[Rm]`` int64 rows of the call whose output is kept (None: all); dst: ``[Rm]`` int64 their tokens.
         slots: ``[Rk]`` int64 the tail slots gathered for ``rows`` (None: the rows' own, slot ``i`` for request
             ``i``): reserves, for queries in a block the step sealed.
-        fused: the step's :class:`FusedPass` covers this pass's queries (a layer whose kernel can take it skips
-            this pass).
     """
 
     rows: torch.Tensor | None
@@ -79,7 +77,12 @@ class DecodePass:
     keep: torch.Tensor | None
     dst: torch.Tensor
     slots: torch.Tensor | None = None
-    fused: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the step's :class:`FusedPass` es cover this pass's queries (those before their request's last:
+        a history cut by ``back``), so that a layer whose kernel takes them skips this pass."""
+        return self.back is not None
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,9 @@ class StepTensors:
             and no reserve is a chunk row.
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
-        fused: on the CPU, the queries of the ``passes`` marked ``fused`` in at most two calls (:class:`FusedPass`:
-            those in the open block, those in a block the step sealed), which a layer without a window takes when
-            its decode backend is the CPU kernel.
+        fused: on the CPU, the queries of the ``passes`` with a cut history (``DecodePass.fused``) in at most two
+            calls (:class:`FusedPass`: those in the open block, those in a block the step sealed), which a layer
+            without a window takes when its decode backend is the CPU kernel.
     """
 
     block_table: torch.Tensor
@@ -168,7 +171,6 @@ class StepTensors:
                     back=_dev(back.astype(np.int32), dev) if k else None,
                     keep=_dev(idx, dev) if everyone and idx.size < r else None,
                     dst=_dev(tok[idx], dev),
-                    fused=k > 0 and dev.type == "cpu",
                 ))  # fmt: skip
             idx = np.nonzero(back_in)[0]
             if idx.size:
@@ -179,7 +181,6 @@ class StepTensors:
                     keep=None,
                     dst=_dev(tok[idx], dev),
                     slots=_dev(reserve[idx], dev),
-                    fused=dev.type == "cpu",
                 ))  # fmt: skip
         return cls(
             block_table=block_table.to(torch.int32),
@@ -187,7 +188,9 @@ class StepTensors:
             passes=tuple(passes),
             prefill_rows=np.nonzero(~decodable)[0],
             decode_dense=dense,
-            fused=_fused_passes(decodable, ql, open_rows, reserve, last, dev) if dev.type == "cpu" else (),
+            fused=_fused_passes(decodable, ql, open_rows, reserve, last, dev)
+            if dev.type == "cpu" and not dense
+            else (),
         )
 
 
