@@ -6,6 +6,10 @@ blocks); the differences per token and kv head are the tail's and a sealed token
 embedded model's (3 kv heads, 9 query heads, head_dim 64), what the vLLM backend decodes at every step.
 
     python benchmarks/cpu_tail_cost.py --format int4,sink=0 --threads 1
+    python benchmarks/cpu_tail_cost.py --format int8 --threads 1 --contexts 1,64,300   # us per call at these lengths
+
+``--contexts`` times whole calls at the given lengths instead: a 1-token sequence is almost all per-item fixed work
+(one item per sequence and kv head), 64 tokens one sealed block, 300 the lengths of vLLM's quick workload.
 """
 
 from __future__ import annotations
@@ -47,9 +51,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="sealed blocks per sequence (k)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--contexts", default="", help="comma-separated lengths: time a call at each instead")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    if args.contexts:
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            us = _call_us(args.format, args.batch, ctx, args.repeats)
+            print(f"{args.format}, batch {args.batch}, {args.threads} thread(s), {ctx} tokens: {us:.1f} us per call")
+        return
     b = PagedKVCache(args.format, 1, H, D, num_blocks=2).format.block_size
     sealed = b * args.blocks
     base = _call_us(args.format, args.batch, sealed, args.repeats)

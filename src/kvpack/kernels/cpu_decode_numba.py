@@ -1806,6 +1806,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
     nvg = vp[P_CS] if vp[P_SKIND] != SC_NONE else 1
     vgs = d // nvg
     kspan = (d // nkg) // kper
+    ud, ukdp, ukper, ukspan, uvdp, uvper = U64(d), U64(kdp), U64(kper), U64(kspan), U64(vdp), U64(vper)
     nscr = max(d, kp[P_TS] * kp[P_CS], vp[P_TS] * vp[P_CS], g_n * kp[P_NOUT])
     g4 = (g_n + 3) // 4 * 4  # heads are processed four at a time; rows past g_n are zero padding
     qp = np.zeros((g4, d), np.float32)
@@ -1841,15 +1842,26 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
         lo = max(np.int64(start_pos[b]), 0)
         if window >= 0:
             lo = max(lo, n - window)
+        # per item: the query into the keys' plane order and its sums per key group (unsigned indices: see the
+        # module docstring; with signed ones these loops cost ~1 us per item, more than a 64-token block)
+        ub = U64(b)
         for g in range(g_n):
-            for k in range(kper):
-                for j in range(kdp):
-                    qp[g, k * kdp + j] = q[b, h * g_n + g, kper * j + k] * qscale
+            ug = U64(g)
+            hg = U64(h * g_n + g)
+            if kper == 1:
+                for i in range(ud):
+                    qp[ug, i] = q[ub, hg, i] * qscale
+            else:
+                for k in range(kper):
+                    pk0 = U64(k * kdp)
+                    for j in range(ukdp):
+                        qp[ug, pk0 + j] = q[ub, hg, ukper * j + U64(k)] * qscale
             for grp in range(nkg):
                 s = _ZERO
                 for k in range(kper):
-                    for j in range(kspan):
-                        s += qp[g, k * kdp + grp * kspan + j]
+                    s0 = U64(k * kdp + grp * kspan)
+                    for j in range(ukspan):
+                        s += qp[ug, s0 + j]
                 qsum[g, grp] = s
         m[:] = -np.inf
         lsum[:] = 0.0
@@ -1866,15 +1878,19 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                         lo, False, h, kv_heads, bs, st, kout, kidx, nocut)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
                 for g in range(g_n):
-                    for c in range(d):
-                        qn[g, c] = q[b, h * g_n + g, c] * qscale
+                    ug = U64(g)
+                    hg = U64(h * g_n + g)
+                    for i in range(ud):
+                        qn[ug, i] = q[ub, hg, i] * qscale
                 if not natural:
                     for g in range(g_n):
-                        for i in range(d):
-                            tmp[i] = acc[g, i]
+                        ug = U64(g)
+                        for i in range(ud):
+                            tmp[i] = acc[ug, i]
                         for k in range(vper):
-                            for j in range(vdp):
-                                acc[g, vper * j + k] = tmp[k * vdp + j]
+                            pk0 = U64(k * vdp)
+                            for j in range(uvdp):
+                                acc[ug, uvper * j + U64(k)] = tmp[pk0 + j]
                     natural = True
                 tailed = True
                 _attend(tail_keys, tail_values, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
@@ -1886,7 +1902,9 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                 pm[it, g] = -np.inf
                 pl[it, g] = _ZERO
             it = nx
+        uit = U64(it)
         for g in range(g_n):
+            ug = U64(g)
             pm[it, g] = m[g]
             pl[it, g] = lsum[g]
             # group by group, so no channel's group is found by a division (an idiv per channel: 6-8% of a call
@@ -1894,8 +1912,8 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
             if natural:
                 for grp in range(nvg):
                     z = zacc[g, grp]
-                    for c in range(grp * vgs, grp * vgs + vgs):
-                        pacc[it, g, c] = acc[g, c] + z
+                    for c in range(U64(grp * vgs), U64(grp * vgs + vgs)):
+                        pacc[uit, ug, c] = acc[ug, c] + z
                 continue
             # planes: channel vper * j + k sits at k * vdp + j, in group j // (vgs // vper) (a value group covers
             # whole bytes: cpu_decode._spec_reasons)
@@ -1903,8 +1921,9 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
             for grp in range(nvg):
                 z = zacc[g, grp]
                 for k in range(vper):
-                    for j in range(grp * jg, grp * jg + jg):
-                        pacc[it, g, vper * j + k] = acc[g, k * vdp + j] + z
+                    pk0 = U64(k * vdp)
+                    for j in range(U64(grp * jg), U64(grp * jg + jg)):
+                        pacc[uit, ug, uvper * j + U64(k)] = acc[ug, pk0 + j] + z
         it = nx
 
 
