@@ -1565,6 +1565,75 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                 _vacc8(bflat, U64(0), ud, nt, w, t, acc, g_n)
 
 
+@njit(fastmath=FASTMATH, **_NOREF)
+def _attend_tail(kpay, kp, vpay, vp, b, n, lo, h, bs, qn, m, lsum, acc, zacc, sc, w, mxb, buf, sx, cut):
+    """:func:`_attend` for row ``b``'s tail: its rows ``[pos0, n)`` (``pos0`` the last block boundary), positions
+    ``>= lo`` only, each head ``g`` cut to the rows before ``t1 - cut[g]`` when ``cut`` has elements.
+
+    kpay, vpay: flat (uint8, uint16, float32) views of the tails ``[batch, H, B, D]``; kp, vp: their passthrough
+    specs (natural channel order, no scales, zero-points or outliers: float32 rows are read in place, 16-bit ones
+    decoded into ``buf`` ``[TILE, D]``); qn: ``[G4, D]`` the query in natural order, pre-scaled; m, lsum, acc,
+    zacc: the online-softmax state (acc natural order); sc ``[G4, B]``, w ``[G, B]``, mxb ``[G]``, sx ``[D]``:
+    scratch. Its own narrow function because :func:`_attend` takes ~440 words of arguments, whose copy once per
+    work item cost more than a short tail's arithmetic.
+    """
+    g_n, d = w.shape[0], qn.shape[1]
+    pos0 = (n // bs) * bs
+    t1 = n - pos0
+    if pos0 + t1 <= lo:
+        return
+    t0 = max(lo - pos0, 0)
+    u0, u1 = U64(t0), U64(t1)
+    krs, vrs = U64(kp[P_ROW]), U64(vp[P_ROW])
+    kflat = kp[P_FK] == FK_F32
+    vflat = vp[P_FK] == FK_F32
+    bflat = buf.reshape(buf.size)
+    ud = U64(d)
+    kbase = _row0(kp, b, h, bs)
+    for g in range(g_n):
+        mxb[g] = -np.inf
+    for t in range(t0, t1, TILE):
+        nt = min(TILE, t1 - t)
+        if kflat:
+            _kdot_tile(kpay[2], kbase + U64(t) * krs, krs, nt, qn, sc, t, mxb)
+        else:
+            _decode_rows(FLT, kpay[0], kpay[1], kpay[2], kbase, krs, t, nt, 1, d, kp[P_FK], sx, 1, 0, sx, buf)
+            _kdot_tile(bflat, U64(0), ud, nt, qn, sc, t, mxb)
+    if cut.shape[0]:  # a query before the row's last: its later rows masked, the max taken again
+        for g in range(g_n):
+            e = max(t1 - np.int64(cut[g]), t0)
+            if e < t1:
+                mb = -np.inf
+                for t in range(U64(t0), U64(e)):
+                    x = sc[g, t]
+                    mb = x if x > mb else mb
+                for t in range(U64(e), u1):
+                    sc[g, t] = -np.inf
+                mxb[g] = mb
+    for g in range(g_n):  # online softmax (base 2); the weights go straight to w (no value scales)
+        mb = mxb[g]
+        mnew = mb if mb > m[g] else m[g]
+        if mnew == -np.inf:  # nothing attended yet and every row masked (a cut): no weight
+            for t in range(u0, u1):
+                w[g, t] = _ZERO
+            continue
+        alpha = _exp2(m[g] - mnew)
+        ls = _ZERO
+        for t in range(u0, u1):
+            pw = _exp2(sc[g, t] - mnew)
+            w[g, t] = pw
+            ls += pw
+        _softmax_update(g, mnew, alpha, ls, m, lsum, acc, zacc)
+    vbase = _row0(vp, b, h, bs)
+    for t in range(t0, t1, TILE):
+        nt = min(TILE, t1 - t)
+        if vflat:
+            _vacc8(vpay[2], vbase + U64(t) * vrs, vrs, nt, w, t, acc, g_n)
+        else:
+            _decode_rows(FLT, vpay[0], vpay[1], vpay[2], vbase, vrs, t, nt, 1, d, vp[P_FK], sx, 1, 0, sx, buf)
+            _vacc8(bflat, U64(0), ud, nt, w, t, acc, g_n)
+
+
 @njit(inline="always", **_NOREF)
 def _multi_eligible(kp, vp):
     """Whether :func:`_attend_runs` takes a history with these specs: integer dot products for keys and values,
@@ -1832,7 +1901,6 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
     # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
     # packed in planes, the accumulator put into natural order before the tail
     qn = np.zeros((g4, d), np.float32)
-    stn = Scratch(qn, *st[1:])  # the same scratch with the natural-order query
     tmp = np.empty(d, np.float32)
     it = take_item(runs, t)
     while it >= 0:
@@ -1870,7 +1938,9 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
         natural = vper == 1  # acc in natural channel order
         tailed = False  # the tail was attended: the item is the row's last
         while True:
-            if multi:
+            if items[it, 2] == items[it, 3]:  # no sealed block in the item (a short row's tail alone)
+                pass
+            elif multi:
                 _attend_runs(keys, values, tables, b, items[it, 2], items[it, 3], n // bs,
                              n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
             else:
@@ -1893,8 +1963,9 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                                 acc[ug, uvper * j + U64(k)] = tmp[pk0 + j]
                     natural = True
                 tailed = True
-                _attend(tail_keys, tail_values, tables, b, 0, 1, 1, n, lo, True, h, kv_heads,
-                        bs, stn, kout, kidx, cuts[b] if cuts.shape[0] else nocut)  # fmt: skip
+                _attend_tail(tail_keys.pay, tail_keys.p, tail_values.pay, tail_values.p, b, n, lo, h, bs, qn, m,
+                             lsum, acc, zacc, st.sc, st.w, st.mxb, st.buf, st.sx,
+                             cuts[b] if cuts.shape[0] else nocut)  # fmt: skip
             nx = take_item(runs, t)
             if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3] or tailed:
                 break
