@@ -20,8 +20,9 @@ Math per sealed block of ``B`` tokens, for the ``G`` query heads of one kv head 
   along the row (groups, channels) multiply the codes while they are decoded; zero-points and offsets
   add ``sum_t p[t] * (z - off * s)`` per group, once at the end;
 * online softmax in base 2 (the query is pre-multiplied by ``sm_scale * log2(e)``) with a vectorizable
-  polynomial ``exp2``; the tail is one more block with a passthrough spec, in natural channel order (the
-  accumulator is put into that order before it); float32 rows (tails, the fp32 format) are read in place.
+  polynomial ``exp2``; the tail is one more block of passthrough rows in natural channel order (the
+  accumulator is put into that order before it), read by its own narrow function (:func:`_attend_tail`);
+  float32 rows (tails, the fp32 format) are read in place.
 
 Work per block: rows are decoded ``TILE`` (8) at a time into a small float32 tile (2-4 KB, it stays in
 L1; the history is never materialized), then dotted with four query heads at once (16 accumulators in
