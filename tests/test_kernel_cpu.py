@@ -455,7 +455,7 @@ def test_fp8_table_words_are_the_codes_values_on_a_12_bit_grid(dtype: torch.dtyp
 
 def test_next_block_rows_to_prefetch_into_l1() -> None:
     """Offset of the next block's rows (``_near_rows``): block id from the table times the pool's block stride
-    (contiguous, or a larger page), 0 past the item's last block, for the tail, for the null block and for rows
+    (contiguous, or a larger page), 0 past the item's last block, for the null block and for rows
     under 128 bytes."""
     import numpy as np
 
@@ -464,14 +464,13 @@ def test_next_block_rows_to_prefetch_into_l1() -> None:
     kv_heads, h, bs, rs, t = 8, 3, 64, 128, 4
     p = np.zeros(nbm.N_PARAMS, np.int64)
     p[nbm.P_ROW], p[nbm.P_BST] = rs, kv_heads * bs * rs
-    assert nbm._near_rows(tables, 0, 0, 4, False, p, h, bs, t) == ((9 * kv_heads + h) * bs + t) * rs
+    assert nbm._near_rows(tables, 0, 0, 4, p, h, bs, t) == ((9 * kv_heads + h) * bs + t) * rs
     page = kv_heads * bs * rs + 4096 + 64  # a block inside a larger page
     paged = p.copy()
     paged[nbm.P_BST] = page
-    assert nbm._near_rows(tables, 0, 0, 4, False, paged, h, bs, t) == 9 * page + (h * bs + t) * rs
-    assert nbm._near_rows(tables, 0, 0, 1, False, p, h, bs, t) == 0  # j + 1 is past the item
-    assert nbm._near_rows(tables, 0, 1, 4, False, p, h, bs, t) == 0  # the next block is released
-    assert nbm._near_rows(tables, 0, 0, 4, True, p, h, bs, t) == 0  # the tail
+    assert nbm._near_rows(tables, 0, 0, 4, paged, h, bs, t) == 9 * page + (h * bs + t) * rs
+    assert nbm._near_rows(tables, 0, 0, 1, p, h, bs, t) == 0  # j + 1 is past the item
+    assert nbm._near_rows(tables, 0, 1, 4, p, h, bs, t) == 0  # the next block is released
     short = p.copy()
     short[nbm.P_ROW] = 64
-    assert nbm._near_rows(tables, 0, 0, 4, False, short, h, bs, t) == 0  # 64-byte rows: not worth it
+    assert nbm._near_rows(tables, 0, 0, 4, short, h, bs, t) == 0  # 64-byte rows: not worth it

@@ -135,7 +135,7 @@ Scratch = namedtuple(
 )
 # A run of blocks' scratch (:func:`_attend_multi`): scores then weights (msc), int16 weights (mw), value scales
 # and zero-points per block (msv, mzv), each block's largest score then weight (mpk) and weight unit (mwinv).
-RunScratch = namedtuple("RunScratch", "msc mw msv mzv mpk mwinv nocut")
+RunScratch = namedtuple("RunScratch", "msc mw msv mzv mpk mwinv")
 
 U64 = np.uint64
 _LOG2_MIN = np.float32(-126.0)
@@ -1043,12 +1043,12 @@ def _values_fit(vpay, vp, sv, nsv, base, n):
 
 
 @njit(inline="always", **_NOREF)
-def _near_rows(tables, b, j, jp, tail, p, h, bs, t):
+def _near_rows(tables, b, j, jp, p, h, bs, t):
     """Flat offset of row ``t`` of the next block (``j + 1``) of row ``b``, head ``h``, for the integer loops to
     prefetch into L1 while they compute block ``j`` (0: none, i.e. no next block, or rows under 128 bytes, where
     it measured slower: int4 and int2 at head_dim 128, int8 at 64). ``p``: the payload's spec parameters."""
     rs = U64(p[P_ROW])
-    if tail or j + 1 >= jp or rs < 128:
+    if j + 1 >= jp or rs < 128:
         return U64(0)
     nxt = np.int64(tables[b, j + 1])
     return _row0(p, nxt, h, bs) + U64(t) * rs if nxt else U64(0)
@@ -1217,7 +1217,7 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
         knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
         for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
             kpf = knext if g0 == 0 else U64(0)
-            kpf1 = _near_rows(tables, b, jj, jp, False, kp, h, bs, 0) if g0 == 0 else U64(0)
+            kpf1 = _near_rows(tables, b, jj, jp, kp, h, bs, 0) if g0 == 0 else U64(0)
             _kdot_int(kp[P_KIND], kpay[0], kbase, krs, bs // 4, q16, g0 * d, kdp // 32, qinv, g0, msc,
                       g0 * lw + i * bs, lw, kp[P_OFF], mpk, i * g4 + g0, kpf, kpf1)  # fmt: skip
         col = U64(i * bs)
@@ -1316,21 +1316,19 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
         vnext = _row0(vp, vnx, h, bs) if vnx else U64(0)
         for g0 in range(0, g_n, 4):
             vpf = vnext if g0 == 0 else U64(0)
-            vpf1 = _near_rows(tables, b, jj, jp, False, vp, h, bs, 0) if g0 == 0 else U64(0)
+            vpf1 = _near_rows(tables, b, jj, jp, vp, h, bs, 0) if g0 == 0 else U64(0)
             _vdot_int(vp[P_KIND], vpay[0], vbase, vrs, bs // 2, mw, g0 * ngv * lw + i * bs, 2 * lw, acc, g0 * d, d,
                       vdp, mwinv[i], g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
     return nb
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, st,
-            kout, kidx, cut):  # fmt: skip
-    """Attend row ``b``'s sealed blocks ``[j0, j1)`` (or, when ``tail``, its tail), positions ``>= lo`` only;
+def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kout, kidx):
+    """Attend row ``b``'s sealed blocks ``[j0, j1)``, positions ``>= lo`` only (the tail: :func:`_attend_tail`);
     blocks before ``jp`` (``>= j1``) may be prefetched: the thread's next work item may go on from ``j1``.
 
     The block loop lives here so the many array arguments are passed once per chunk, not once per block.
-    tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; for the tail, kpay/vpay are the tails'
-    views and kp/vp their passthrough specs, and the "block" is indexed by ``b``. kp/vp: spec parameters;
+    tables: ``[batch, max_blocks]`` int32; n: the row's seq_len; kp/vp: spec parameters;
     ``st`` a :data:`Scratch`:
     qp ``[G4, D]`` the query in the keys' plane order, pre-scaled by ``sm_scale * log2(e)`` (G rounded up to
     a multiple of 4, padding rows zero); qsum
@@ -1340,9 +1338,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
     maxima (unused here: its rows may start before ``t0``); the rest is scratch.
     kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
     (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``), blocks
-    ``kp[P_OBST]`` and ``kp[P_IBST]`` elements apart; ``nout`` is ``kp[P_NOUT]`` (0: the format keeps none; the
-    tails' specs have 0).
-    cut: ``[G]`` int32 (the tail; no elements: none): head ``g`` attends the tail's rows before ``t1 - cut[g]``.
+    ``kp[P_OBST]`` and ``kp[P_IBST]`` elements apart; ``nout`` is ``kp[P_NOUT]`` (0: the format keeps none).
     """
     kpay, kscl, kzero, kp = keys
     vpay, vscl, vzero, vp = values
@@ -1378,24 +1374,19 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
     bflat = buf.reshape(buf.size)
     ud = U64(d)
     for j in range(j0, j1):
-        if tail:
-            idx = b
-            pos0 = (n // bs) * bs
-            t1 = n - pos0
-        else:
-            idx = np.int64(tables[b, j])
-            pos0 = j * bs
-            t1 = bs
-            if idx == 0:  # released (left the window): never read the null block
-                continue
+        idx = np.int64(tables[b, j])
+        pos0 = j * bs
+        t1 = bs
+        if idx == 0:  # released (left the window): never read the null block
+            continue
         if pos0 + t1 <= lo:
             continue
         t0 = max(lo - pos0, 0)
         u0, u1 = U64(t0), U64(t1)  # unsigned token bounds: see the module docstring on indices
         # the block P_FAR ahead (2: the block after next) is fetched while this one is computed (random block
         # ids: no hardware prefetch); 0 for none
-        nxt = np.int64(tables[b, j + kfar]) if (kfar and not tail and j + kfar < jp) else np.int64(0)
-        vnx = np.int64(tables[b, j + vfar]) if (vfar and not tail and j + vfar < jp) else np.int64(0)
+        nxt = np.int64(tables[b, j + kfar]) if (kfar and j + kfar < jp) else np.int64(0)
+        vnx = np.int64(tables[b, j + vfar]) if (vfar and j + vfar < jp) else np.int64(0)
         knext = _row0(kp, nxt, h, bs) if nxt else U64(0)
         vnext = _row0(vp, vnx, h, bs) if vnx else U64(0)
         _prefetch_block_scales(kscl, kzero, kp, nxt, khs)  # its scales and zero-points too
@@ -1436,7 +1427,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
             ta = t0 - t0 % 4
             for g0 in range(0, g_n, 4):  # the first pass prefetches the next blocks
                 kpf = knext + U64(ta) * krs if (knext and g0 == 0) else U64(0)
-                kpf1 = _near_rows(tables, b, j, jp, tail, kp, h, bs, ta) if g0 == 0 else U64(0)
+                kpf1 = _near_rows(tables, b, j, jp, kp, h, bs, ta) if g0 == 0 else U64(0)
                 _kdot_int(kp[P_KIND], kpay[0], kbase + U64(ta) * krs, krs, (t1 - ta + 3) // 4, q16, g0 * d, kdp // 32,
                           qinv, g0, sc, g0 * bs + ta, bs, kp[P_OFF], kmx, g0, kpf, kpf1)  # fmt: skip
         for t in range(t0, t1 if not kint else t0, TILE):
@@ -1473,17 +1464,6 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                     x = _order_key(row[t])
                     ib = x if x > ib else ib
                 mxb[g] = _from_order_key(ib)
-        if cut.shape[0]:  # a query before the row's last: its later tail rows masked, the max taken again
-            for g in range(g_n):
-                e = max(t1 - np.int64(cut[g]), t0)
-                if e < t1:
-                    mb = -np.inf
-                    for t in range(U64(t0), U64(e)):
-                        x = sc[g, t]
-                        mb = x if x > mb else mb
-                    for t in range(U64(e), u1):
-                        sc[g, t] = -np.inf
-                    mxb[g] = mb
         # ---- online softmax (base 2)
         for g in range(g_n):
             mb = mxb[g]
@@ -1550,7 +1530,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, tail, h, kv_heads, bs, s
                     winv[g] *= vunit
             for g0 in range(0, g_n, 4):
                 vpf = vnext + U64(ta) * vrs if (vnext and g0 == 0) else U64(0)
-                vpf1 = _near_rows(tables, b, j, jp, tail, vp, h, bs, ta) if g0 == 0 else U64(0)
+                vpf1 = _near_rows(tables, b, j, jp, vp, h, bs, ta) if g0 == 0 else U64(0)
                 _vdot_int(vp[P_KIND], vpay[0], vbase + U64(ta) * vrs, vrs, (tb - ta) // 2, w16, g0 * ngv * bs,
                           2 * bs, acc, g0 * d, d, vdp, winv, g0, vspan, vp[P_OFF], vpf, vpf1)  # fmt: skip
         for t in range(t0, t1 if not vint else t0, TILE):
@@ -1696,8 +1676,7 @@ def _attend_runs(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st
             if done == nb:
                 continue
         # released (skipped inside), the window starts in it, or its operands do not fit the integer path
-        _attend(keys, values, tables, b, j, j + 1, jp, n, lo, False, h, kv_heads, bs, st,
-                kout, kidx, mt.nocut)  # fmt: skip
+        _attend(keys, values, tables, b, j, j + 1, jp, n, lo, h, kv_heads, bs, st, kout, kidx)
         j += 1
 
 
@@ -1895,10 +1874,9 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
           np.zeros(g4, np.float32))  # fmt: skip
     multi = _multi_eligible(kp, vp)
     nm = kp[P_MULTI] if multi else 1
-    nocut = np.zeros(0, np.int32)  # sealed blocks: every head attends all of them
+    nocut = np.zeros(0, np.int32)  # a tail without cuts: every head attends all of it
     mt = RunScratch(np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
-          np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32),
-          nocut)  # fmt: skip
+          np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
     # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
     # packed in planes, the accumulator put into natural order before the tail
     qn = np.zeros((g4, d), np.float32)
@@ -1946,7 +1924,7 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                              n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
             else:
                 _attend(keys, values, tables, b, items[it, 2], items[it, 3], n // bs, n,
-                        lo, False, h, kv_heads, bs, st, kout, kidx, nocut)  # fmt: skip
+                        lo, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
                 for g in range(g_n):
                     ug = U64(g)
