@@ -29,6 +29,12 @@ from kvpack.models.stress import add_key_bias
 DEFAULT = "fp8,fp8-plain,k=fp8:head:rot,v=fp8:head,sink=1,int8,int4,k4v2"
 
 
+def pooled(kl: list[torch.Tensor], agree: list[torch.Tensor]) -> dict[str, float]:
+    """KL mean and p99 and top-1 agreement over every token of every window (each token weighs the same)."""
+    k, a = torch.cat(kl), torch.cat(agree)
+    return {"kl_mean": float(k.mean()), "kl_p99": float(k.quantile(0.99)), "top1": float(a.mean())}
+
+
 def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> dict[str, dict[str, float]]:
     """Each format's KL mean, p99 and top-1 agreement over ``tokens`` tokens of prose from each offset, pooled
     (every token of every window weighs the same)."""
@@ -47,11 +53,7 @@ def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> 
         for f, x in res.items():
             kl[f].append(x.kl.flatten())
             agree[f].append(x.agree.flatten().float())
-    out = {}
-    for f in formats:
-        k, a = torch.cat(kl[f]), torch.cat(agree[f])
-        out[f] = {"kl_mean": float(k.mean()), "kl_p99": float(k.quantile(0.99)), "top1": float(a.mean())}
-    return out
+    return {f: pooled(kl[f], agree[f]) for f in formats}
 
 
 def main() -> None:

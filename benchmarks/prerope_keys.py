@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 from _meta import commit
+from format_families import pooled
 
 from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
-from kvpack.evaluation.simulate import roundtrip_blocks, sink_keys
+from kvpack.evaluation.simulate import roundtrip_blocks
 from kvpack.formats import KVFormat, parse_format, split_formats
 from kvpack.fsutil import atomic_write_text
 from kvpack.models.stress import add_key_bias
@@ -39,45 +40,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_class():
-    from transformers.cache_utils import DynamicLayer
+    from kvpack.evaluation.simulate import _layer_class as simulated
 
-    class RopeAwareLayer(DynamicLayer):
-        """Seals each completed block with the format's round trip, on the keys as stored (``pre=False``) or on
-        the keys rotated back to before RoPE (``pre=True``); ``rope[idx]`` holds the chunk's (cos, sin)."""
+    class RopeAwareLayer(simulated()):
+        """The simulate engine's layer, whose sealed keys are quantized as stored (``pre=False``) or rotated back to
+        before RoPE first (``pre=True``); ``rope[idx]`` holds the chunk's (cos, sin)."""
 
         def __init__(self, fmt: KVFormat, pre: bool, rope: dict, idx: int):
-            super().__init__()
-            self.fmt, self.pre, self.rope, self.idx = fmt, pre, rope, idx
+            super().__init__(fmt)
+            self.pre, self.rope, self.idx = pre, rope, idx
             self.cos: torch.Tensor | None = None  # [T, head_dim] for every position so far
             self.sin: torch.Tensor | None = None
-            self.sealed = 0
 
         def update(self, key_states, value_states, *args, **kwargs):
             cos, sin = self.rope[self.idx]  # [1, t, head_dim]
             self.cos = cos[0] if self.cos is None else torch.cat([self.cos, cos[0]])
             self.sin = sin[0] if self.sin is None else torch.cat([self.sin, sin[0]])
-            keys, values = super().update(key_states, value_states, *args, **kwargs)
-            b = self.fmt.block_size
-            full = keys.shape[-2] // b * b
-            if full > self.sealed:
-                s = slice(self.sealed, full)
-                k = keys[..., s, :].float()
-                if self.pre:
-                    c, si = self.cos[s].float(), self.sin[s].float()
-                    k_pre = k * c - _rotate_half(k) * si
-                    k_pre = roundtrip_blocks(k_pre, self.fmt.key, b).float()
-                    k_rec = (k_pre * c + _rotate_half(k_pre) * si).to(keys.dtype)
-                else:
-                    k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b)
-                v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b)
-                n_sink = min(self.fmt.sink, full) - self.sealed
-                if n_sink > 0:
-                    k_rec[..., :n_sink, :] = sink_keys(keys[..., self.sealed : self.sealed + n_sink, :], self.fmt.key)
-                    v_rec[..., :n_sink, :] = values[..., self.sealed : self.sealed + n_sink, :]
-                self.keys = torch.cat([keys[..., : self.sealed, :], k_rec, keys[..., full:, :]], dim=-2)
-                self.values = torch.cat([values[..., : self.sealed, :], v_rec, values[..., full:, :]], dim=-2)
-                self.sealed = full
-            return self.keys, self.values
+            return super().update(key_states, value_states, *args, **kwargs)
+
+        def seal_keys(self, keys: torch.Tensor, s: slice) -> torch.Tensor:
+            if not self.pre:
+                return super().seal_keys(keys, s)
+            k = keys[..., s, :].float()
+            c, si = self.cos[s].float(), self.sin[s].float()
+            k_pre = roundtrip_blocks(k * c - _rotate_half(k) * si, self.fmt.key, self.fmt.block_size).float()
+            return (k_pre * c + _rotate_half(k_pre) * si).to(keys.dtype)
 
     return RopeAwareLayer
 
@@ -125,11 +112,7 @@ def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> 
     finally:
         for h in hooks:
             h.remove()
-    out = {}
-    for n in names:
-        k, a = torch.cat(kl[n]), torch.cat(agree[n])
-        out[n] = {"kl_mean": float(k.mean()), "kl_p99": float(k.quantile(0.99)), "top1": float(a.mean())}
-    return out
+    return {n: pooled(kl[n], agree[n]) for n in names}
 
 
 def main() -> None:

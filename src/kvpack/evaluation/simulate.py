@@ -103,7 +103,7 @@ def _layer_class():
             full = keys.shape[-2] // b * b
             if full > self.sealed:
                 s = slice(self.sealed, full)
-                k_rec = roundtrip_blocks(keys[..., s, :], self.fmt.key, b, self.key_scales)
+                k_rec = self.seal_keys(keys, s)
                 if self.zero_keys:  # the planted broken format of the tests
                     k_rec = torch.zeros_like(k_rec)
                 v_rec = roundtrip_blocks(values[..., s, :], self.fmt.value, b, self.value_scales)
@@ -115,6 +115,11 @@ def _layer_class():
                 self.values = torch.cat([values[..., : self.sealed, :], v_rec, values[..., full:, :]], dim=-2)
                 self.sealed = full
             return self.keys, self.values
+
+        def seal_keys(self, keys: torch.Tensor, s: slice) -> torch.Tensor:
+            """The reconstruction of the whole blocks ``keys[..., s, :]`` (``[batch, kv_heads, T, head_dim]``) as the
+            format's sealed payload gives them back; a subclass may seal them another way."""
+            return roundtrip_blocks(keys[..., s, :], self.fmt.key, self.fmt.block_size, self.key_scales)
 
         def crop(self, tokens_to_remove: int) -> None:
             super().crop(tokens_to_remove)

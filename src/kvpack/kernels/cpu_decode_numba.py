@@ -1474,7 +1474,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
                     mb = x if x > mb else mb
             mb += kc[g]
             mnew = mb if mb > m[g] else m[g]
-            if mnew == -np.inf:  # nothing attended yet and every row of this block masked (a tail cut): no weight
+            if mnew == -np.inf:  # no finite score yet (a guard: sealed rows are never masked): no weight
                 for t in range(u0, u1):
                     sc[g, t] = _ZERO
                 mxb[g] = _ZERO
@@ -1546,6 +1546,16 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
                 _vacc8(bflat, U64(0), ud, nt, w, t, acc, g_n)
 
 
+@njit(inline="always", **_NOREF)
+def _tail_rows(pay, fk, base, rs, t, nt, d, sx, buf):
+    """Rows ``t .. t + nt - 1`` of a tail (flat offset ``base + row * rs``) as ``(x, offset, row stride)`` for
+    :func:`_kdot_tile` / :func:`_vacc8`: float32 rows in place, 16-bit ones (``fk``) decoded into ``buf``."""
+    if fk == FK_F32:
+        return pay[2], base + U64(t) * rs, rs
+    _decode_rows(FLT, pay[0], pay[1], pay[2], base, rs, t, nt, 1, d, fk, sx, 1, 0, sx, buf)
+    return buf.reshape(buf.size), U64(0), U64(d)
+
+
 @njit(fastmath=FASTMATH, **_NOREF)
 def _attend_tail(kpay, kp, vpay, vp, b, n, lo, h, bs, qn, m, lsum, acc, zacc, sc, w, mxb, buf, sx, cut):
     """:func:`_attend` for row ``b``'s tail: its rows ``[pos0, n)`` (``pos0`` the last block boundary), positions
@@ -1566,20 +1576,13 @@ def _attend_tail(kpay, kp, vpay, vp, b, n, lo, h, bs, qn, m, lsum, acc, zacc, sc
     t0 = max(lo - pos0, 0)
     u0, u1 = U64(t0), U64(t1)
     krs, vrs = U64(kp[P_ROW]), U64(vp[P_ROW])
-    kflat = kp[P_FK] == FK_F32
-    vflat = vp[P_FK] == FK_F32
-    bflat = buf.reshape(buf.size)
-    ud = U64(d)
     kbase = _row0(kp, b, h, bs)
     for g in range(g_n):
         mxb[g] = -np.inf
     for t in range(t0, t1, TILE):
         nt = min(TILE, t1 - t)
-        if kflat:
-            _kdot_tile(kpay[2], kbase + U64(t) * krs, krs, nt, qn, sc, t, mxb)
-        else:
-            _decode_rows(FLT, kpay[0], kpay[1], kpay[2], kbase, krs, t, nt, 1, d, kp[P_FK], sx, 1, 0, sx, buf)
-            _kdot_tile(bflat, U64(0), ud, nt, qn, sc, t, mxb)
+        x, o, rs = _tail_rows(kpay, kp[P_FK], kbase, krs, t, nt, d, sx, buf)
+        _kdot_tile(x, o, rs, nt, qn, sc, t, mxb)
     if cut.shape[0]:  # a query before the row's last: its later rows masked, the max taken again
         for g in range(g_n):
             e = max(t1 - np.int64(cut[g]), t0)
@@ -1608,11 +1611,8 @@ def _attend_tail(kpay, kp, vpay, vp, b, n, lo, h, bs, qn, m, lsum, acc, zacc, sc
     vbase = _row0(vp, b, h, bs)
     for t in range(t0, t1, TILE):
         nt = min(TILE, t1 - t)
-        if vflat:
-            _vacc8(vpay[2], vbase + U64(t) * vrs, vrs, nt, w, t, acc, g_n)
-        else:
-            _decode_rows(FLT, vpay[0], vpay[1], vpay[2], vbase, vrs, t, nt, 1, d, vp[P_FK], sx, 1, 0, sx, buf)
-            _vacc8(bflat, U64(0), ud, nt, w, t, acc, g_n)
+        x, o, rs = _tail_rows(vpay, vp[P_FK], vbase, vrs, t, nt, d, sx, buf)
+        _vacc8(x, o, rs, nt, w, t, acc, g_n)
 
 
 @njit(inline="always", **_NOREF)
