@@ -1877,8 +1877,8 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
     nocut = np.zeros(0, np.int32)  # a tail without cuts: every head attends all of it
     mt = RunScratch(np.zeros((g4, nm * bs), np.float32), np.zeros(g4 * ngv * nm * bs, np.int16), np.zeros((nm, nscr), np.float32),
           np.zeros((nm, nscr), np.float32), np.zeros(nm * g4, np.float32), np.zeros((nm, g4), np.float32))  # fmt: skip
-    # the tails' rows are in natural channel order: their own query (natural order) and, when the values are
-    # packed in planes, the accumulator put into natural order before the tail
+    # the tails' rows are in natural channel order: their own query (natural order; qp itself when the keys are not
+    # packed in planes) and, when the values are packed in planes, the accumulator put into natural order first
     qn = np.zeros((g4, d), np.float32)
     tmp = np.empty(d, np.float32)
     it = take_item(runs, t)
@@ -1917,20 +1917,20 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
         natural = vper == 1  # acc in natural channel order
         tailed = False  # the tail was attended: the item is the row's last
         while True:
-            if items[it, 2] == items[it, 3]:  # no sealed block in the item (a short row's tail alone)
-                pass
-            elif multi:
-                _attend_runs(keys, values, tables, b, items[it, 2], items[it, 3], n // bs,
-                             n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
-            else:
-                _attend(keys, values, tables, b, items[it, 2], items[it, 3], n // bs, n,
-                        lo, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
+            if items[it, 2] < items[it, 3]:  # sealed blocks (a short row's item may hold its tail alone)
+                if multi:
+                    _attend_runs(keys, values, tables, b, items[it, 2], items[it, 3], n // bs,
+                                 n, lo, h, kv_heads, bs, st, kout, kidx, mt)  # fmt: skip
+                else:
+                    _attend(keys, values, tables, b, items[it, 2], items[it, 3], n // bs, n,
+                            lo, h, kv_heads, bs, st, kout, kidx)  # fmt: skip
             if items[it, 4]:  # the tail: one more block, passthrough, indexed by the sequence's row
-                for g in range(g_n):
-                    ug = U64(g)
-                    hg = U64(h * g_n + g)
-                    for i in range(ud):
-                        qn[ug, i] = q[ub, hg, i] * qscale
+                if kper != 1:  # qp is in the keys' plane order: the tail's rows need the natural one
+                    for g in range(g_n):
+                        ug = U64(g)
+                        hg = U64(h * g_n + g)
+                        for i in range(ud):
+                            qn[ug, i] = q[ub, hg, i] * qscale
                 if not natural:
                     for g in range(g_n):
                         ug = U64(g)
@@ -1942,8 +1942,8 @@ def work(t, runs, items, q, keys, values, tail_keys, tail_values, rows, window, 
                                 acc[ug, uvper * j + U64(k)] = tmp[pk0 + j]
                     natural = True
                 tailed = True
-                _attend_tail(tail_keys.pay, tail_keys.p, tail_values.pay, tail_values.p, b, n, lo, h, bs, qn, m,
-                             lsum, acc, zacc, st.sc, st.w, st.mxb, st.buf, st.sx,
+                _attend_tail(tail_keys.pay, tail_keys.p, tail_values.pay, tail_values.p, b, n, lo, h, bs,
+                             qp if kper == 1 else qn, m, lsum, acc, zacc, st.sc, st.w, st.mxb, st.buf, st.sx,
                              cuts[b] if cuts.shape[0] else nocut)  # fmt: skip
             nx = take_item(runs, t)
             if nx != it + 1 or items[nx, 0] != b or items[nx, 1] != h or items[nx, 2] != items[it, 3] or tailed:
