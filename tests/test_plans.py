@@ -181,8 +181,13 @@ def test_the_vllm_settings_take_a_plan_and_name_each_layers_format():
     ]
     assert [f.name for f in s.formats] == ["int4", "int8"]
     uneven = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4/int8,sink=0[1]"}})
-    with pytest.raises(ConfigError, match=r"differ.* in block size or sink rows"):
+    with pytest.raises(ConfigError, match=r"differ.* in block size, sink rows or tail dtype"):
         settings_from(uneven)
+    uneven.additional_config = {"kvpack": {"format": "int4,tail=fp16/int8[1]"}}  # the override keeps the model's
+    with pytest.raises(ConfigError, match=r"int8 differ.*tail fp16\).*same block=, sink= and tail="):
+        settings_from(uneven)
+    even = types.SimpleNamespace(additional_config={"kvpack": {"format": "int4,tail=fp16/int8,tail=fp16[1]"}})
+    assert [f.tail.value for f in settings_from(even).formats] == ["fp16", "fp16"]
 
 
 def test_greedy_plans_widen_the_worst_layer_first_and_the_search_measures_what_it_picks():

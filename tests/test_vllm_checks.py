@@ -80,8 +80,9 @@ def test_start_up_names_a_smaller_block_where_the_tails_crowd_the_space(caplog):
     mib = 2**20
     line = kcfg.tail_advice(parse_format("int8"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32))
     assert line is not None
-    assert "tails of 32 requests take 45.0 MiB of the 96.0 MiB KV space (47%)" in line
-    assert "format 'int8,block=16' would hold 6,016 tokens in it where 'int8' holds 4,224" in line
+    assert "tails of 32 requests take 45.0 MiB of the 96.0 MiB KV space (47%), where 'int8' holds 4,224 tokens" in line
+    assert "these formats hold more: 'int8,block=16' 6,016 (shorter tails" in line
+    assert "tail=fp16" not in line  # a bfloat16 model's tails are 16-bit already
     assert kcfg.tail_advice(parse_format("int8"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 2048 * mib, 32)) is None
     assert (
         kcfg.tail_advice(parse_format("int4,block=16"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)) is None
@@ -91,11 +92,12 @@ def test_start_up_names_a_smaller_block_where_the_tails_crowd_the_space(caplog):
         _engine_config(
             max_num_seqs=32, kv_cache_memory_bytes=192 * mib, additional_config={"kvpack": {"format": "int8"}}
         )
-    assert "format 'int8,block=32' would hold 10,976 tokens in it where 'int8' holds 8,192" in caplog.text
+    assert "where 'int8' holds 8,192 tokens; these formats hold more: 'int8,block=32' 10,976" in caplog.text
+    assert "'int8,tail=fp16' 12,224 (tails and sink rows in float16: half the bytes)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
         _engine_config(additional_config={"kvpack": {"format": "int8"}})  # 8 requests in 256 MiB: 9%
-    assert "would hold" not in caplog.text
+    assert "hold more" not in caplog.text
 
 
 def test_bench_providers_run_with_their_formats_block_size():
@@ -135,7 +137,7 @@ def test_backend_check_pays_the_tails_where_no_config_step_did():
         ({"max_num_seqs": 256, "kv_cache_memory_bytes": 64 * 2**20}, {"format": "int8"}, "(256 running requests"),
         ({}, {"format": "int4/int8[28-31]"}, "names layer(s) [30, 31] but the model has 30 layers"),
         ({}, {"format": "int4/int4@static[3]"}, "int4@static needs calibrated (static) scales: add"),
-        ({}, {"format": "int4/int8,block=32[3]"}, "same block= and sink="),
+        ({}, {"format": "int4/int8,block=32[3]"}, "same block=, sink= and tail="),
     ],
 )
 def test_backend_check_lists_what_to_change(extra, kvpack, expected):

@@ -155,10 +155,11 @@ def test_static_scales_from_an_artifact_are_served(job, stock, runs, calibration
     assert res["kv_capacity_tokens"] == _run(runs, job, "int8")["kv_capacity_tokens"]  # static or not, same bytes
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-o4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-o4", "int8,tail=fp16"])
 def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
     """vLLM's own count of KV tokens equals what the layout's bytes predict for the space (within 2%), so its
-    scheduler sees the real capacity: packed pages, the sink rows, and the tails paid from the budget."""
+    scheduler sees the real capacity: packed pages, the sink rows, and the tails paid from the budget (in the
+    format's own tail dtype where it names one: ``tail=fp16`` halves a float32 model's)."""
     res = _run(runs, job, fmt)
     f = parse_format(fmt)
     tails = tail_pool_bytes(f, LAYERS, KV_HEADS, HEAD_DIM, torch.float32, SEQS)

@@ -48,12 +48,19 @@ def _pages(layout: PageLayout, num_blocks: int, interleave: int = 2) -> tuple[to
     return view, buf
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0", "int4-o4", "fp8-o4"])
+@pytest.mark.parametrize(
+    "preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0", "int4-o4", "fp8-o4", "int8,tail=fp16"]
+)
 def test_page_holds_exactly_the_format_bytes_plus_the_sink_rows(preset):
     fmt = parse_format(preset)
     layout = PageLayout.build(fmt, H, D, torch.float32)
-    sink = 2 * H * fmt.sink * D * 4  # float32 rows of K and V (the tail dtype)
+    tail_bytes = 4 if fmt.tail is None else 2  # the model's float32, or the format's own tail dtype
+    sink = 2 * H * fmt.sink * D * tail_bytes  # rows of K and V in the tail dtype
     assert layout.page_bytes >= layout.format_block_bytes + sink
+    if fmt.sink:
+        assert (
+            layout.region("sink_k").dtype == layout.tail_dtype == (torch.float32 if fmt.tail is None else torch.float16)
+        )
     slack = layout.page_bytes - layout.format_block_bytes - sink
     # region alignment, and whole cells of a multiple of the activation size (4 bytes here)
     assert slack < len(layout.regions) * ALIGN + 4 * layout.block_size
@@ -366,7 +373,8 @@ class _Sim:
     [("kv=fp32", "reference"), ("int8", "auto"), ("int4", "reference"), ("fp8", "auto"), ("kivi2", "reference"),
      ("int4,block=16", "auto"), ("k8v4,sink=0", "reference"), ("int8", "triton"), ("int4,block=16", "triton"),
      ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton"), ("int8@static", "auto"),
-     ("fp8@static", "reference"), ("k=int8:channel:asym:static:o4,v=int8:token,sink=1", "auto")],
+     ("fp8@static", "reference"), ("k=int8:channel:asym:static:o4,v=int8:token,sink=1", "auto"),
+     ("int8,tail=fp16", "auto"), ("int4,block=16,tail=bf16", "reference"), ("int4,block=16,tail=fp16", "triton")],
 )  # fmt: skip
 def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
     """``triton``: the Triton decode and chunk kernels (under the interpreter) reading the strided page views
@@ -522,6 +530,29 @@ def test_non_finite_rows_are_refused_at_seal_and_nothing_is_written(preset, role
     with pytest.raises(NonFiniteError, match="position 10"):
         sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
     assert torch.equal(sim.buf, before)
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_a_row_that_overflows_a_float16_tail_is_refused_and_nothing_is_written(role):
+    """A float32 model's rows in ``tail=fp16``: a magnitude past float16's 65504 would become inf in the tail; the
+    step is refused with the fix named, pages and tails as they were (a sealing write and a tail write alike)."""
+    sim = _Sim("int8,tail=fp16", num_blocks=8, capacity=2, kernel="reference", seed=1)
+    assert sim.layer.tail_k.dtype == torch.float16 and sim.layer.dtype == torch.float32
+    sim.layer.write(sim.kv_cache, _plan(sim.table, [(0, 10, [3])]), torch.randn(10, H, D), torch.randn(10, H, D))
+    plan = _plan(sim.table, [(10, 60, [3, 4])])  # seals block 3, opens block 4
+    before, tails = sim.buf.clone(), (sim.layer.tail_k.clone(), sim.layer.tail_v.clone())
+    rows = {"key": torch.randn(60, H, D), "value": torch.randn(60, H, D)}
+    rows[role][57, 1, 5] = 7e4
+    with pytest.raises(
+        NonFiniteError,
+        match=rf"{role} of magnitude 7e\+04 \(step token 57, kv head 1\) overflows the float16 tail.*tail=bf16",
+    ):
+        sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
+    assert torch.equal(sim.buf, before)
+    assert torch.equal(sim.layer.tail_k, tails[0]) and torch.equal(sim.layer.tail_v, tails[1])
+    rows[role][57, 1, 5] = 6e4  # within float16's range: stored
+    sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
+    assert not torch.equal(sim.buf, before)
 
 
 def test_tensor_parallel_workers_take_their_heads_rows_of_the_scales(tmp_path):

@@ -427,6 +427,12 @@ class KVFormat:
     precision (the tail dtype) in a per-sequence side buffer, and read from there instead of their sealed
     block rows. Block 0 stays a normal sealed block, so a reader that ignores the sink reads a valid cache.
     ``0 <= S <= block_size``; a passthrough format has nothing to keep (``S > 0`` is a :class:`FormatError`).
+
+    ``tail``: the dtype of the full-precision parts (the tail and the sink rows), one of ``fp32``, ``fp16``,
+    ``bf16``; ``None`` (the default): the model's own activation dtype, whatever a cache is given. A float32
+    model's tails in ``fp16`` cost half the bytes (what counts where many requests each keep an open block, as
+    in vLLM) for a rounding of 2**-11 relative, far below what the sealed blocks store; fp16 holds magnitudes
+    up to 65504, and a larger key or value is refused when written (``bf16`` keeps float32's range).
     """
 
     key: QuantSpec
@@ -434,6 +440,7 @@ class KVFormat:
     block_size: int = 64
     name: str = field(default="", compare=False)
     sink: int = 0
+    tail: DType | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 0 < self.block_size <= MAX_BLOCK_SIZE:
@@ -451,6 +458,16 @@ class KVFormat:
                 f"sink={self.sink} on a format stored in full precision ({self.key}/{self.value}) keeps nothing: "
                 "drop 'sink=' or pick a quantized format"
             )
+        if self.tail is not None:
+            if not isinstance(self.tail, DType) or not self.tail.is_passthrough:
+                raise FormatError(
+                    f"tail must be fp32, fp16 or bf16 (the full-precision tail's dtype), got {self.tail!r}"
+                )
+            if self.key.is_passthrough and self.value.is_passthrough:
+                raise FormatError(
+                    f"tail={self.tail.value} on a format stored in full precision ({self.key}/{self.value}): its "
+                    "blocks are the tokens as given; drop 'tail=' or pick a quantized format"
+                )
         if self.value.rotate:
             raise FormatError(
                 "'rot' rotates keys only (values carry no outlier channels worth spreading, and their per-token "
@@ -476,7 +493,8 @@ class KVFormat:
     def spec_string(self) -> str:
         """Canonical string; ``parse_format(f.spec_string()) == f``."""
         sink = f",sink={self.sink}" if self.sink else ""
-        return f"k={self.key},v={self.value},block={self.block_size}{sink}"
+        tail = f",tail={self.tail.value}" if self.tail is not None else ""
+        return f"k={self.key},v={self.value},block={self.block_size}{sink}{tail}"
 
     def reasons_invalid(self, head_dim: int) -> list[str]:
         return [f"keys: {r}" for r in self.key.reasons_invalid(head_dim)] + [
@@ -519,14 +537,20 @@ class KVFormat:
         """Honest bits per cached element: every stored bit divided by the K and V elements it holds."""
         return 8 * self.block_bytes(kv_heads, head_dim) / (2 * kv_heads * self.block_size * head_dim)
 
+    def tail_element_bytes(self, act_bytes: int = 2) -> int:
+        """Bytes of one element of the tail and sink rows: the format's ``tail`` dtype, else the model's
+        activations' ``act_bytes``."""
+        return act_bytes if self.tail is None else self.tail.bits // 8
+
     def tail_bytes(self, kv_heads: int, head_dim: int, tail_element_bytes: int = 2) -> int:
-        """Bytes of one sequence's full-precision tail in one layer (one block of K and V)."""
-        return 2 * kv_heads * self.block_size * head_dim * tail_element_bytes
+        """Bytes of one sequence's full-precision tail in one layer (one block of K and V); elements of
+        ``tail_element_bytes`` (the model's activations) unless the format names its ``tail`` dtype."""
+        return 2 * kv_heads * self.block_size * head_dim * self.tail_element_bytes(tail_element_bytes)
 
     def sink_bytes(self, kv_heads: int, head_dim: int, tail_element_bytes: int = 2) -> int:
         """Bytes of one sequence's sink buffer in one layer: ``S`` positions of K and V in the tail dtype
         (0 without a sink)."""
-        return 2 * kv_heads * self.sink * head_dim * tail_element_bytes
+        return 2 * kv_heads * self.sink * head_dim * self.tail_element_bytes(tail_element_bytes)
 
     def bytes_for_tokens(
         self, tokens: int, kv_heads: int, head_dim: int, layers: int = 1, tail_element_bytes: int = 2
@@ -542,15 +566,16 @@ class KVFormat:
             + self.sink_bytes(kv_heads, head_dim, tail_element_bytes)
         )
 
-    def _derived_name(self, base: KVFormat | None, block_size: int, sink: int) -> str:
-        """``preset[,block=N][,sink=N]`` when this format is a preset with other fields, else ``""`` (the
-        spec string)."""
+    def _derived_name(self, base: KVFormat | None, block_size: int, sink: int, tail: DType | None) -> str:
+        """``preset[,block=N][,sink=N][,tail=T]`` when this format is a preset with other fields, else ``""``
+        (the spec string)."""
         if base is None:
             return ""
         name = base.name
         if block_size != base.block_size:
             name += f",block={block_size}"
-        return name + (f",sink={sink}" if sink != base.sink else "")
+        name += f",sink={sink}" if sink != base.sink else ""
+        return name + (f",tail={tail.value}" if tail is not None else "")
 
     def _preset_base(self) -> KVFormat | None:
         head = self.name.split(",")[0]
@@ -558,14 +583,19 @@ class KVFormat:
         return p if p is not None and (p.key, p.value) == (self.key, self.value) else None
 
     def with_block_size(self, block_size: int) -> KVFormat:
-        """The same specs (and sink) with another block size (and tail size)."""
-        name = self._derived_name(self._preset_base(), block_size, self.sink)
-        return KVFormat(self.key, self.value, block_size, name=name, sink=self.sink)
+        """The same specs (sink and tail dtype) with another block size (and tail size)."""
+        name = self._derived_name(self._preset_base(), block_size, self.sink, self.tail)
+        return KVFormat(self.key, self.value, block_size, name=name, sink=self.sink, tail=self.tail)
 
     def with_sink(self, sink: int) -> KVFormat:
         """The same format keeping its first ``sink`` positions in full precision (0: no sink)."""
-        name = self._derived_name(self._preset_base(), self.block_size, sink)
-        return KVFormat(self.key, self.value, self.block_size, name=name, sink=sink)
+        name = self._derived_name(self._preset_base(), self.block_size, sink, self.tail)
+        return KVFormat(self.key, self.value, self.block_size, name=name, sink=sink, tail=self.tail)
+
+    def with_tail(self, tail: DType | None) -> KVFormat:
+        """The same format with its tail and sink rows in ``tail`` (fp32, fp16, bf16; None: the model's dtype)."""
+        name = self._derived_name(self._preset_base(), self.block_size, self.sink, tail)
+        return KVFormat(self.key, self.value, self.block_size, name=name, sink=self.sink, tail=tail)
 
     def as_static(self) -> KVFormat:
         """The same format with calibrated (static) scales wherever a spec can take them (named
@@ -582,7 +612,7 @@ class KVFormat:
                 f"format {self.name!r} has no spec that can take calibrated scales (per-channel, per-head or "
                 "per-tensor); '@static' would change nothing"
             )
-        return KVFormat(key, value, self.block_size, name=f"{self.name}@static", sink=self.sink)
+        return KVFormat(key, value, self.block_size, name=f"{self.name}@static", sink=self.sink, tail=self.tail)
 
 
 def _static_spec(spec: QuantSpec) -> QuantSpec:
@@ -726,26 +756,30 @@ def preset(name: str) -> KVFormat:
 
 
 # ----------------------------------------------------------------------------------------------------
-# String syntax:  PRESET[,block=N][,sink=N]   or   k=SPEC,v=SPEC[,block=N][,sink=N]   or   kv=SPEC[,...]
+# String syntax:  PRESET[,block=N][,sink=N][,tail=T]   or   k=SPEC,v=SPEC[,block=N][,sink=N][,tail=T]   or
+#                 kv=SPEC[,...]
 # SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8 | static
 #        | o<N> (keys only: N outlier channels per kv head kept in full precision)
 
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
 _SCALE_NAMES = {s.value: s for s in ScaleDType} | {"fp8": ScaleDType.E8M0}
+_TAIL_NAMES = {"fp32": DType.FP32, "float32": DType.FP32, "fp16": DType.FP16, "float16": DType.FP16,
+               "bf16": DType.BF16, "bfloat16": DType.BF16}  # fmt: skip
 
 # '<format>@static': the format with calibrated scales wherever a spec can take them (KVFormat.as_static)
 STATIC_SUFFIX = "@static"
 
 SYNTAX_HELP = (
-    "a format is a preset name ({presets}), optionally followed by ',block=N' and ',sink=N'; or a custom "
-    "'k=SPEC,v=SPEC[,block=N][,sink=N]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
+    "a format is a preset name ({presets}), optionally followed by ',block=N', ',sink=N' and ',tail=T'; or a "
+    "custom 'k=SPEC,v=SPEC[,block=N][,sink=N][,tail=T]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
     "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
     "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals, and 'rot' "
     "(keys only) to store keys rotated by a fixed Hadamard matrix. "
     "'sink=N' keeps the first N positions of every sequence (the attention sink) also in full precision "
     "(0 <= N <= block; 2 x kv_heads x N x head_dim tail-dtype bytes per sequence and layer). "
+    "'tail=fp32|fp16|bf16' stores the full-precision tail and sink rows in that dtype (default: the model's). "
     "Append '@static' to a format for calibrated scales wherever a spec can take them ('fp8@static'). "
     "Examples: 'k=int4:channel:asym,v=int2:g32:asym:fp16,block=64', 'k=fp8:head:o4,v=fp8:head', 'int4,sink=1'"
 )
@@ -847,6 +881,7 @@ def parse_format(text: str | KVFormat) -> KVFormat:
     key = value = None
     block: int | None = None
     sink: int | None = None
+    tail: DType | None = None
     seen: set[str] = set()
     for f in fields:
         name, eq, arg = f.partition("=")
@@ -880,23 +915,30 @@ def parse_format(text: str | KVFormat) -> KVFormat:
                     f"sink must be a non-negative integer (positions kept in full precision), got {arg!r}"
                 )
             sink = int(arg)
+        elif name == "tail":
+            tail = _TAIL_NAMES.get(arg.strip().lower())
+            if tail is None:
+                raise FormatError(
+                    f"tail must be fp32, fp16 or bf16 (the dtype of the full-precision tail and sink rows), got {arg!r}"
+                )
         else:
             raise FormatError(f"unknown field {name!r}; {_help()}")
     if base is not None:
         if key is not None or value is not None:
             raise FormatError(f"{text!r}: give either a preset or k=/v= specs, not both")
         fmt = base if block is None or block == base.block_size else base.with_block_size(block)
-        return fmt if sink is None or sink == fmt.sink else fmt.with_sink(sink)
+        fmt = fmt if sink is None or sink == fmt.sink else fmt.with_sink(sink)
+        return fmt if tail is None else fmt.with_tail(tail)
     if key is None or value is None:
         raise FormatError(f"{text!r}: a custom format needs both k= and v= (or kv=); {_help()}")
     fmt = KVFormat(key, value, block or 64, sink=sink or 0)
     for p in (*PRESETS.values(), *PEER_PRESETS.values()):  # a custom string that spells a preset gets its name
         if p == fmt:
-            return p
-    return fmt
+            return p if tail is None else p.with_tail(tail)
+    return fmt if tail is None else KVFormat(key, value, block or 64, sink=sink or 0, tail=tail)
 
 
-_ATTACH_FIELDS = ("block", "block_size", "sink")  # fields that always belong to the format before them
+_ATTACH_FIELDS = ("block", "block_size", "sink", "tail")  # fields that always belong to the format before them
 _KEY_FIELDS = ("k", "key", "keys", "kv")
 _VALUE_FIELDS = ("v", "value", "values")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpack.errors import CalibrationError, NonFiniteError, ShapeError
-from kvpack.formats import DType, QuantSpec, ScaleDType
+from kvpack.formats import DType, KVFormat, QuantSpec, ScaleDType
 
 __all__ = [
     "TORCH_FP8",
@@ -45,6 +45,7 @@ __all__ = [
     "saturating_cast",
     "scale_torch_dtype",
     "snr_db",
+    "tail_torch_dtype",
     "unpack_bits",
 ]
 
@@ -67,6 +68,11 @@ def payload_torch_dtype(spec: QuantSpec) -> torch.dtype:
     if spec.dtype is DType.INT8 and spec.symmetric:
         return torch.int8
     return torch.uint8  # asymmetric int8, and packed int4 / int2 in offset binary
+
+
+def tail_torch_dtype(fmt: KVFormat, model_dtype: torch.dtype) -> torch.dtype:
+    """Torch dtype of a format's tail and sink rows: its ``tail`` field, else ``model_dtype`` (the model's)."""
+    return model_dtype if fmt.tail is None else _TORCH_FLOAT[fmt.tail]
 
 
 def scale_torch_dtype(scale_dtype: ScaleDType) -> torch.dtype:

@@ -507,7 +507,8 @@ class VllmPage:
 
 def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> VllmPage:
     """The page of ``fmt`` for a layer of ``kv_heads`` x ``head_dim`` whose activations take ``act_bytes`` each
-    (the sink rows are kept in that dtype, in every page: vLLM shares a first block without telling the backend)."""
+    (the sink rows are kept in the tail dtype, the format's ``tail`` or else the model's, in every page: vLLM shares
+    a first block without telling the backend)."""
     h, b, d = kv_heads, fmt.block_size, head_dim
     sizes = []
     for prefix, spec in (("k", fmt.key), ("v", fmt.value)):
@@ -521,8 +522,9 @@ def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> Vl
         if spec.has_outliers:  # keys only: fp16 residuals [H, B, k], channel indices [H, k]
             sizes.append((f"{prefix}_outlier", h * b * spec.outliers * 2))
             sizes.append((f"{prefix}_outlier_idx", h * spec.outliers * spec.outlier_index_bytes(d)))
-    if fmt.sink:
-        sizes += [("sink_k", h * fmt.sink * d * act_bytes), ("sink_v", h * fmt.sink * d * act_bytes)]
+    if fmt.sink:  # in the tail dtype: the format's own (tail=), else the model's
+        sink = h * fmt.sink * d * fmt.tail_element_bytes(act_bytes)
+        sizes += [("sink_k", sink), ("sink_v", sink)]
     regions, offset = [], 0
     for name, n in sizes:
         regions.append((name, offset, n))

@@ -16,6 +16,7 @@ from kvpack.cache.calibrated import channels_digest, resolve_calibration, resolv
 from kvpack.calibration.artifact import Artifact, CalibratedScales
 from kvpack.errors import ConfigError, ShapeError
 from kvpack.formats import KVFormat, parse_format
+from kvpack.quant import tail_torch_dtype
 from kvpack.rotation import key_rotation
 
 __all__ = ["SEAL_BACKENDS", "TAIL_DTYPES", "CacheConfig"]
@@ -90,6 +91,7 @@ class CacheConfig:
         fmt.check(head_dim)
         if seal_backend not in SEAL_BACKENDS:
             raise ConfigError(f"seal_backend must be 'auto', 'torch' or 'triton', got {seal_backend!r}")
+        tail_dtype = tail_torch_dtype(fmt, tail_dtype)  # a format's own tail= wins over the model's dtype
         if tail_dtype not in TAIL_DTYPES:
             raise ConfigError(f"tail_dtype must be torch.float32, float16 or bfloat16, got {tail_dtype}")
         dev = torch.device(device)

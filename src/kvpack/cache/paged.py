@@ -68,8 +68,9 @@ class PagedKVCache:
         num_layers, kv_heads, head_dim: the model's cache geometry.
         num_blocks: blocks in the pool, the null block 0 included; each block holds ``fmt.block_size``
             tokens of every layer.
-        tail_dtype: dtype of the full-precision tails (float32, float16 or bfloat16). Incoming keys and
-            values are cast to it first, so sealing quantizes the tail-dtype values.
+        tail_dtype: dtype of the full-precision tails (float32, float16 or bfloat16); a format that names its
+            own (``fmt.tail``, ``int8,tail=fp16``) takes that instead. Incoming keys and values are cast to it
+            first, so sealing quantizes the tail-dtype values.
         device: where pools and tails live.
         window: sliding window: ``None`` (full attention), an int for every layer, or one entry per layer
             (``None`` entries allowed). Blocks that have left the window of *every* layer are released.
@@ -137,7 +138,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.storage = BlockStorage(cfg.format, num_layers, kv_heads, head_dim, num_blocks, cfg.device)
         self.slots = SlotTable(
-            num_layers, kv_heads, cfg.block_size, head_dim, sink=cfg.sink, dtype=tail_dtype, device=cfg.device,
+            num_layers, kv_heads, cfg.block_size, head_dim, sink=cfg.sink, dtype=cfg.tail_dtype, device=cfg.device,
             num_slots=max_seqs,
         )  # fmt: skip
         self.prefix_sinks = PrefixSinks(self.pool)  # sink rows of registered first blocks (prefix sharing)

@@ -256,10 +256,14 @@ def _raise_non_finite_append(config: CacheConfig, layer: int, rows: Batch, n_old
         at = f"layer {layer}, sequence {first['sequence']}, head {first['head']}, position {first['position']}"
         if bool(torch.isfinite(given).all()):
             top = float(given.abs().max())
+            fix = (
+                f"format {config.format.name!r} names its tail dtype: use tail=bf16 (float32's range) or drop 'tail='"
+                if config.format.tail is not None
+                else "Create the cache with tail_dtype=torch.float32 or torch.bfloat16, or scale the inputs down"
+            )
             raise NonFiniteError(
                 f"{what} at {at} overflows the cache's {str(config.tail_dtype).replace('torch.', '')} tail (largest "
-                f"magnitude {top:.4g}); nothing was stored. Create the cache with tail_dtype=torch.float32 or "
-                "torch.bfloat16, or scale the inputs down",
+                f"magnitude {top:.4g}); nothing was stored. {fix}",
                 where,
             )
         raise NonFiniteError(

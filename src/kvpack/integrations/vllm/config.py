@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import KVFormat
+from kvpack.formats import DType, KVFormat
 from kvpack.integrations.vllm.calibration import calibration_reasons
 from kvpack.modelspecs import config_windows
 from kvpack.plans import LayerPlan, parse_plan
@@ -146,13 +146,15 @@ def settings_from(vllm_config: Any) -> Settings | None:
     uneven = [
         f.name or f.spec_string()
         for f, _ in plan.overrides
-        if (f.block_size, f.sink) != (plan.base.block_size, plan.base.sink)
+        if (f.block_size, f.sink, f.tail) != (plan.base.block_size, plan.base.sink, plan.base.tail)
     ]
     if uneven:
+        tail = "the model's" if plan.base.tail is None else plan.base.tail.value
         raise ConfigError(
             f"kvpack: in plan {plan.name!r}, {', '.join(uneven)} differ(s) from the base format "
-            f"{plan.base.name!r} in block size or sink rows (block={plan.base.block_size}, sink={plan.base.sink}); "
-            "vLLM gives every layer one block table: give every format of the plan the same block= and sink="
+            f"{plan.base.name!r} in block size, sink rows or tail dtype (block={plan.base.block_size}, "
+            f"sink={plan.base.sink}, tail {tail}); vLLM gives every layer one block table and the tails are planned "
+            "once for all layers: give every format of the plan the same block=, sink= and tail="
         )
     return Settings(plan, kernel, calibration)
 
@@ -297,21 +299,26 @@ TAIL_SHARE_ADVICE = 0.25
 
 def tail_advice(fmt: KVFormat, space: VllmSpace) -> str | None:
     """A line for the start-up log when the full-precision tails take at least :data:`TAIL_SHARE_ADVICE` of one
-    worker's KV space and ``fmt`` with a smaller block holds more tokens there
-    (:func:`kvpack.sizing.vllm_smaller_block`); None otherwise."""
+    worker's KV space and ``fmt`` with a smaller block (:func:`kvpack.sizing.vllm_smaller_block`), or a float32
+    model's tails in float16 (``tail=fp16``), holds more tokens there; None otherwise."""
     tails = space.tail_bytes(fmt)
     if tails < TAIL_SHARE_ADVICE * space.space_bytes:
         return None
+    options = []
     found = vllm_smaller_block(fmt, space)
-    if found is None:
+    if found is not None:
+        options.append(f"'{found[0].name}' {found[1]:,} (shorter tails, a little more scale bytes per token)")
+    if fmt.tail is None and space.act_bytes == 4:
+        half = fmt.with_tail(DType.FP16)
+        options.append(f"'{half.name}' {space.tokens(half):,} (tails and sink rows in float16: half the bytes)")
+    if not options:
         return None
-    other, tokens = found
     mib = 2**20
     return (
         f"kvpack: the full-precision tails of {space.seqs} requests take {tails / mib:.1f} MiB of the "
-        f"{space.space_bytes / mib:.1f} MiB KV space ({tails / space.space_bytes:.0%}); format '{other.name}' would "
-        f"hold {tokens:,} tokens in it where {fmt.name or fmt.spec_string()!r} holds {space.tokens(fmt):,} (shorter "
-        "tails, a little more scale bytes per token); or give more space, or lower max_num_seqs"
+        f"{space.space_bytes / mib:.1f} MiB KV space ({tails / space.space_bytes:.0%}), where "
+        f"{fmt.name or fmt.spec_string()!r} holds {space.tokens(fmt):,} tokens; these formats hold more: "
+        f"{'; '.join(options)}; or give more space, or lower max_num_seqs"
     )
 
 

@@ -26,7 +26,7 @@ import torch
 
 from kvpack.cache.write import seal_outliers
 from kvpack.calibration.static import ClipMonitor, seal_with_static
-from kvpack.errors import ConfigError
+from kvpack.errors import ConfigError, NonFiniteError
 from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import LayerCalibration
 from kvpack.integrations.vllm.layout import PageLayout
@@ -41,7 +41,7 @@ from kvpack.kernels import (
 )
 from kvpack.kernels.reference import paged_attention_reference
 from kvpack.kernels.views import PagedKV
-from kvpack.quant import _raise_non_finite, all_finite, quantize
+from kvpack.quant import _raise_non_finite, all_finite, quantize, tail_torch_dtype
 from kvpack.rotation import key_rotation, rotate
 
 __all__ = ["DECODE_QUERIES", "DecodePass", "FusedPass", "PagedLayer", "StepTensors"]
@@ -245,7 +245,8 @@ class PagedLayer:
         fmt: the format; kv_heads, head_dim: ``H``, ``D``; capacity: running requests (``max_num_seqs``).
         slots: tail slots (default ``capacity``; twice it with speculative decoding, for the reserves of
             :class:`~kvpack.integrations.vllm.tails.TailTable`).
-        dtype: the model's activation dtype (tails and queries); device: where the pages live.
+        dtype: the model's activation dtype (queries; the tails and sink rows too unless the format names its
+            own ``tail``); device: where the pages live.
         window: the layer's sliding window (a query at position ``p`` attends positions ``> p - window``), or
             None. For blocks that left the window vLLM's tables name the null block (id 0) or a stale id that
             may be another request's block by now; the kernels read neither (only blocks inside the window).
@@ -276,16 +277,22 @@ class PagedLayer:
         self.clip_monitor = ClipMonitor(calibration.layer + 1) if calibration and fmt.is_static else None
         self.layout = PageLayout.build(fmt, kv_heads, head_dim, dtype)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.tail_dtype = tail_torch_dtype(fmt, dtype)
+        # a tail narrower in range than the model's activations (float16 from float32 or bfloat16) can overflow:
+        # each write checks its rows (OverflowError's message names the fix), as kvpack's own cache does
+        self._check_range = self.tail_dtype == torch.float16 and dtype != torch.float16
         self.capacity, self.device = capacity, torch.device(device)
         self.slots = capacity if slots is None else slots
         if self.slots < capacity:
             raise ConfigError(f"kvpack: {self.slots} tail slots for {capacity} requests; need at least one each")
         shape = (self.slots, kv_heads, fmt.block_size, head_dim)
-        self.tail_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.tail_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.tail_k = torch.zeros(shape, dtype=self.tail_dtype, device=device)
+        self.tail_v = torch.zeros(shape, dtype=self.tail_dtype, device=device)
         self.rotation = key_rotation(head_dim).to(device) if fmt.key.rotate else None
         # tail writes and integer seals in compiled calls (kvpack.kernels.cpu_seal), on the CPU with numba
-        self._compiled_writes = self.device.type == "cpu" and dtype in cpu_seal.ROW_DTYPES and cpu_seal.available()
+        self._compiled_writes = (
+            self.device.type == "cpu" and self.tail_dtype in cpu_seal.ROW_DTYPES and cpu_seal.available()
+        )
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
@@ -363,10 +370,12 @@ class PagedLayer:
                 the format stores them rotated), any float dtype.
         """
         pools = self.pools(kv_cache)
-        k = key.to(self.dtype)
-        v = value.to(self.dtype)
+        k = key.to(self.tail_dtype)
+        v = value.to(self.tail_dtype)
         if self.rotation is not None:
             k = rotate(k, self.rotation)
+        if self._check_range and not (all_finite(k) and all_finite(v)):
+            self._raise_overflow(key, value)
         if plan.seal_block.size:
             self._seal(pools, plan, k, v)  # first: a sealed block's tail slot may be handed out again this step
         if plan.move_src.size:  # tails follow their requests' rows (the right side is gathered before writing)
@@ -386,6 +395,24 @@ class PagedLayer:
             tok, blk, pos = (torch.from_numpy(x).to(k.device) for x in (plan.sink_tok, plan.sink_block, plan.sink_pos))
             pools["sink_k"][blk, :, pos] = k[tok].to(pools["sink_k"].dtype)
             pools["sink_v"][blk, :, pos] = v[tok].to(pools["sink_v"].dtype)
+
+    def _raise_overflow(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Refuse a step whose keys or values (``[N, H, D]``, as the model gave them) do not fit the float16
+        tail, naming the first token and head; nothing has been written. Non-finite inputs are left to the paths
+        that name their place (the seal's :class:`NonFiniteError`)."""
+        if not (all_finite(key) and all_finite(value)):
+            return
+        name = self.format.name or self.format.spec_string()
+        for what, x in (("key", key), ("value", value)):
+            big = (x.abs() > torch.finfo(torch.float16).max).nonzero()
+            if len(big):
+                tok, head = int(big[0, 0]), int(big[0, 1])
+                raise NonFiniteError(
+                    f"kvpack: a {what} of magnitude {float(x.abs().max()):.4g} (step token {tok}, kv head {head}) "
+                    f"overflows the float16 tail of format {name!r}, which holds up to 65504; nothing of this step "
+                    "was stored. Use tail=bf16 (float32's range) or drop 'tail=' (the model's dtype)",
+                    [{"token": tok, "head": head}],
+                )
 
     # -- reads ------------------------------------------------------------------------------------------
 
@@ -539,7 +566,7 @@ class PagedLayer:
 class _Rows:
     """Persistent buffers behind the views of up to ``capacity`` requests (block tables ``[n, W]`` int32 for
     each table width ``W`` met, lengths ``[n]`` int32, tails ``[n, H, B, D]`` and sink rows ``[n, H, S, D]`` in
-    the layer's dtype), and their first-``r``-rows slices, the same tensor objects every time (see
+    the layer's tail dtype), and their first-``r``-rows slices, the same tensor objects every time (see
     :meth:`PagedLayer.view`). The layers of a model share one set (:meth:`shared`): they run one after another,
     and each fills the buffers before its kernel reads them, so the gathered tails cost one layer's tails, not
     a second tail pool."""
@@ -549,7 +576,7 @@ class _Rows:
     @classmethod
     def shared(cls, capacity: int, layer: PagedLayer, device: torch.device) -> _Rows:
         """The set for ``layer``'s shape, dtype and device with room for ``capacity`` rows."""
-        key = (layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink, layer.dtype, device)
+        key = (layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink, layer.tail_dtype, device)
         hit = cls._by_shape.get(key)
         if hit is None or hit.capacity < capacity:
             hit = cls._by_shape[key] = cls(capacity, layer, device)
@@ -560,9 +587,9 @@ class _Rows:
         self.capacity, self.device = capacity, device
         self.tables: dict[int, torch.Tensor] = {}
         self.lens = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.tail_k = torch.zeros(capacity, h, b, d, dtype=layer.dtype, device=device)
+        self.tail_k = torch.zeros(capacity, h, b, d, dtype=layer.tail_dtype, device=device)
         self.tail_v = torch.zeros_like(self.tail_k)
-        self.sink_k = torch.zeros(capacity, h, s, d, dtype=layer.dtype, device=device) if s else None
+        self.sink_k = torch.zeros(capacity, h, s, d, dtype=layer.tail_dtype, device=device) if s else None
         self.sink_v = torch.zeros_like(self.sink_k) if s else None
         self._slices: dict[tuple[int, int], tuple] = {}
 

@@ -6,10 +6,8 @@ one kvpack block of one layer, regions in this order, each 16-byte aligned:
 
 ``k_data [H, B, Pk]``, ``k_scale [Hs, Ts, Cs]``, ``k_zero``, for a key spec with outlier channels ``k_outlier [H, B, k]``
 (fp16 residuals) and ``k_outlier_idx [H, k]`` (their channels), ``v_data [H, B, Pv]``, ``v_scale``, ``v_zero``, and
-with a sink (``format.sink = S``) ``sink_k [H, S, D]``, ``sink_v [H, S, D]`` in the tail dtype (the model's
-activations), exactly as :class:`~kvpack.cache.PagedKVCache` keeps them. Rounding float32 sink rows to float16
-to halve their bytes was measured and dropped: on the embedded model (float32) it turned 1 of 12 greedy
-sequences that differ from the full-precision cache into 3 of 12 (int8, 64 tokens).
+with a sink (``format.sink = S``) ``sink_k [H, S, D]``, ``sink_v [H, S, D]`` in the tail dtype (the format's
+``tail=``, else the model's activations), exactly as :class:`~kvpack.cache.PagedKVCache` keeps them.
 
 The sink rows live in every page, not once per sequence as in :class:`~kvpack.cache.PagedKVCache`: vLLM shares a
 cached first block between requests without telling the backend, so the rows must travel with the block. Only
@@ -30,7 +28,7 @@ import torch
 from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat
 from kvpack.outliers import index_dtype
-from kvpack.quant import payload_torch_dtype, scale_torch_dtype
+from kvpack.quant import payload_torch_dtype, scale_torch_dtype, tail_torch_dtype
 from kvpack.sizing import VLLM_ALIGN, vllm_page
 
 __all__ = ["ALIGN", "PageLayout", "Region"]
@@ -59,7 +57,7 @@ class PageLayout:
     Attributes:
         format: the kvpack format (its ``block_size`` is vLLM's block size).
         kv_heads, head_dim: ``H`` and ``D`` of one layer.
-        tail_dtype: dtype of the full-precision tail and sink rows (the model's activations).
+        tail_dtype: dtype of the full-precision tail and sink rows (the format's ``tail``, else the model's).
         regions: the pools in page order.
         cell_bytes: ``C``: vLLM's bytes per token slot; ``page_bytes = block_size * C``.
     """
@@ -72,8 +70,9 @@ class PageLayout:
     cell_bytes: int
 
     @classmethod
-    def build(cls, fmt: KVFormat, kv_heads: int, head_dim: int, tail_dtype: torch.dtype) -> PageLayout:
-        """The layout of ``fmt`` for a layer of ``kv_heads`` x ``head_dim``.
+    def build(cls, fmt: KVFormat, kv_heads: int, head_dim: int, dtype: torch.dtype) -> PageLayout:
+        """The layout of ``fmt`` for a layer of ``kv_heads`` x ``head_dim`` of a model whose activations are
+        ``dtype`` (vLLM views the pages in it; the tail and sink rows take it unless the format names its own).
 
         Raises:
             FormatError: ``fmt`` cannot store vectors of ``head_dim``.
@@ -90,9 +89,11 @@ class PageLayout:
             if spec.has_outliers:
                 shapes[f"{prefix}_outlier"] = (torch.float16, (h, b, spec.outliers))
                 shapes[f"{prefix}_outlier_idx"] = (index_dtype(d), (h, spec.outliers))
+        tail_dtype = tail_torch_dtype(fmt, dtype)
         shapes["sink_k"] = shapes["sink_v"] = (tail_dtype, (h, fmt.sink, d))
-        es = torch.empty((), dtype=tail_dtype).element_size()
-        page = vllm_page(fmt, h, d, es)  # the byte accounting kvpack size uses; the views follow it
+        page = vllm_page(
+            fmt, h, d, torch.empty((), dtype=dtype).element_size()
+        )  # the byte accounting kvpack size uses; the views follow it
         regions = []
         for name, offset, nbytes in page.regions:
             dtype, shape = shapes[name]
