@@ -243,7 +243,8 @@ class KVPackCache(Cache):
             ``max(batch_size, rows of that batch)`` sequences of ``max_tokens`` (rows count beams).
         backend: decode kernel backend: ``"auto"`` (fused kernel, else the reference with a one-time warning
             saying why), ``"cpu"``, ``"triton"`` or ``"reference"``.
-        tail_dtype: dtype of the full-precision tail; default the dtype of the first keys.
+        tail_dtype: dtype of the full-precision tail; default the dtype of the first keys. A format that names
+            its own (``int8,tail=fp16``) takes that instead.
         num_blocks: override the pool size (blocks, the null block included).
         calibration: a calibration artifact (its directory, or a loaded :class:`~kvpack.calibration.Artifact`,
             checked against ``config``'s fingerprint) or :class:`~kvpack.calibration.CalibratedScales`: the
