@@ -116,6 +116,24 @@ def test_simulated_blocks_equal_the_primitives(name):
         assert torch.equal(got[0, :, j * fmt.block_size : (j + 1) * fmt.block_size], want)
 
 
+def test_simulated_tails_take_the_formats_tail_dtype():
+    """``int8,tail=fp16`` on float32 inputs: the open block holds the float16 roundings, and the sealed block is the
+    round trip of those (what kvpack's cache seals from its float16 tail)."""
+    from kvpack.evaluation.simulate import _layer_class
+
+    fmt = parse_format("int8,tail=fp16")
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 70, 32, generator=g) * 3, torch.randn(1, 2, 70, 32, generator=g)
+    keys, values = _layer_class()(fmt).update(k, v)
+    k16, v16 = (x.to(torch.float16).float() for x in (k, v))
+    assert not torch.equal(k16, k)  # the rounding is visible
+    assert torch.equal(keys[..., 64:, :], k16[..., 64:, :]) and torch.equal(values[..., 64:, :], v16[..., 64:, :])
+    assert torch.equal(keys[..., 1:64, :], roundtrip_blocks(k16[..., :64, :], fmt.key, 64)[..., 1:, :])
+    assert torch.equal(keys[..., :1, :], k16[..., :1, :])  # the sink row, as it entered the tail
+    plain, _ = _layer_class()(parse_format("int8")).update(k, v)
+    assert torch.equal(plain[..., 64:, :], k[..., 64:, :])
+
+
 def test_config_errors_name_every_problem():
     with pytest.raises(ConfigError) as e:
         EvalConfig(formats=["int8"], depths=[1.5], kinds=["riddle"], lengths=[10]).check()

@@ -101,3 +101,10 @@ def test_size_predicts_the_formats_tails(capsys):
     rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)["formats"]}
     assert rows["int8"]["vllm_tokens"] == 8_192 and rows["int8,tail=fp16"]["vllm_tokens"] == 12_224
     assert rows["int8,tail=fp16"]["vllm_tail_bytes"] * 2 == rows["int8"]["vllm_tail_bytes"] == 90 * 2**20
+    # the preset's row names the float16-tail format (a float32 model), which names none itself
+    assert rows["int8"]["vllm_float16_tails"] == {"format": "int8,tail=fp16", "vllm_tokens": 12_224}
+    assert "vllm_float16_tails" not in rows["int8,tail=fp16"]
+    assert main(args[:-1]) == 0
+    assert "float16 tails hold more tokens here: int8 -> 'int8,tail=fp16' 12,224" in capsys.readouterr().out
+    assert main([*args[:-2], "bfloat16"]) == 0  # a bfloat16 model's tails are 16-bit already
+    assert "float16 tails" not in capsys.readouterr().out

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import PEER_PRESETS, PRESETS, KVFormat, parse_format, split_formats
+from kvpack.formats import PEER_PRESETS, PRESETS, DType, KVFormat, parse_format, split_formats
 from kvpack.modelspecs import ModelShape
 from kvpack.plans import LayerPlan, is_plan, parse_plan
 
@@ -35,6 +35,7 @@ __all__ = [
     "parse_formats",
     "shared_prefix_bytes",
     "vllm_capacity_tokens",
+    "vllm_float16_tails",
     "vllm_layers_per_block",
     "vllm_page",
     "vllm_refusal",
@@ -169,6 +170,8 @@ class FormatRow:
     vllm_tail_bytes: int | None = None  # of the KV space, what the backend's full-precision tails take
     # the same format with a smaller block that holds more tokens in that space (shorter tails), and its tokens
     vllm_smaller_block: tuple[KVFormat, int] | None = None
+    # a float32 model: the same format with float16 tails and sink rows (tail=fp16), and its tokens in that space
+    vllm_float16_tails: tuple[KVFormat, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -198,6 +201,9 @@ class FormatRow:
         if self.vllm_smaller_block is not None:
             fmt, tokens = self.vllm_smaller_block
             d["vllm_smaller_block"] = {"format": fmt.name, "block_size": fmt.block_size, "vllm_tokens": tokens}
+        if self.vllm_float16_tails is not None:
+            fmt, tokens = self.vllm_float16_tails
+            d["vllm_float16_tails"] = {"format": fmt.name, "vllm_tokens": tokens}
         return d
 
 
@@ -371,6 +377,7 @@ def estimate(
             row.vllm_tokens = space.tokens(fmt)
             row.vllm_tail_bytes = space.tail_bytes(fmt)
             row.vllm_smaller_block = vllm_smaller_block(fmt, space)
+            row.vllm_float16_tails = vllm_float16_tails(fmt, space)
         result.rows.append(row)
     if vllm is not None:
         space, seqs, act = vllm
@@ -591,6 +598,17 @@ def vllm_smaller_block(fmt: KVFormat, space: VllmSpace) -> tuple[KVFormat, int] 
         if tokens >= have * VLLM_SMALLER_BLOCK_GAIN and (best is None or tokens > best[1]):
             best = (other, tokens)
     return best
+
+
+def vllm_float16_tails(fmt: KVFormat, space: VllmSpace) -> tuple[KVFormat, int] | None:
+    """For a float32 model (``space.act_bytes == 4``), ``fmt`` with its tails and sink rows in float16
+    (``tail=fp16``) and the tokens it holds in this vLLM space, when that is at least 5% more than ``fmt`` holds;
+    else None (a 16-bit model, a format that names its tail dtype, or a passthrough format)."""
+    if space.act_bytes != 4 or fmt.tail is not None or fmt.is_passthrough:
+        return None
+    other = fmt.with_tail(DType.FP16)
+    tokens = space.tokens(other)
+    return (other, tokens) if tokens >= space.tokens(fmt) * VLLM_SMALLER_BLOCK_GAIN else None
 
 
 VLLM_PLAN_WITH_WINDOWS = (

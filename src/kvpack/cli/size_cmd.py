@@ -239,6 +239,15 @@ def render(p) -> str:
                 f"smaller blocks hold more tokens here: {named} (vLLM tokens; shorter full-precision tails, more "
                 "scale bytes per sealed token; the format string sets vLLM's block size)."
             )
+        halved = [r for r in p.rows if r.vllm_float16_tails is not None]
+        if halved:
+            named = ", ".join(
+                f"{r.format.name} -> '{r.vllm_float16_tails[0].name}' {r.vllm_float16_tails[1]:,}" for r in halved
+            )
+            out.append(
+                f"float16 tails hold more tokens here: {named} (vLLM tokens; the float32 model's tails and sink rows "
+                "in float16, half their bytes: docs/formats.md, 'tail=')."
+            )
         refused = [r for r in p.rows if r.vllm_refused]
         if refused:
             out.append(f"refused ({', '.join(r.format.name for r in refused)}): {refused[0].vllm_refused}.")

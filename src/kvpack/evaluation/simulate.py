@@ -4,7 +4,9 @@ Tokens land in a full-precision tail; when ``block_size`` tokens complete a bloc
 ``quant.dequantize(quant.quantize(block))``: the very values kvpack's paged cache reconstructs from that
 block's payload and scales. Attention then runs through the model's own attention function (sdpa), so the
 numbers are those of kvpack's cache with a different (unfused) kernel. A format with ``sink = S`` keeps
-positions ``< S`` as they entered (what kvpack's cache reads from its sink buffer) after the round trip.
+positions ``< S`` as they entered (what kvpack's cache reads from its sink buffer) after the round trip. A format
+that names its tail dtype (``tail=fp16``) has every token rounded to it as it enters, as kvpack's tail does (for
+rotated keys kvpack rounds the rotated key: the two differ by a rounding of a rounding).
 
 Why keep it next to the real engine: it takes a different format per layer (one layer quantized at a time,
 for the per-layer sensitivity sweep), any transformers attention implementation, and any model the real
@@ -23,7 +25,7 @@ from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
 from kvpack.outliers import apply_residual
-from kvpack.quant import dequantize, quantize
+from kvpack.quant import dequantize, quantize, tail_torch_dtype
 from kvpack.rotation import key_rotation, rotate, unrotate
 
 if TYPE_CHECKING:
@@ -96,6 +98,10 @@ def _layer_class():
             self.sealed = 0  # tokens already replaced by their reconstruction
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if self.fmt is not None and self.fmt.tail is not None:  # the format's own tail dtype: rounded on entry
+                tail = tail_torch_dtype(self.fmt, key_states.dtype)
+                key_states = key_states.to(tail).to(key_states.dtype)
+                value_states = value_states.to(tail).to(value_states.dtype)
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             if self.fmt is None:
                 return keys, values

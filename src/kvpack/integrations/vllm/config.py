@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from kvpack.errors import ConfigError, FormatError
-from kvpack.formats import DType, KVFormat
+from kvpack.formats import KVFormat
 from kvpack.integrations.vllm.calibration import calibration_reasons
 from kvpack.modelspecs import config_windows
 from kvpack.plans import LayerPlan, parse_plan
-from kvpack.sizing import VllmSpace, vllm_smaller_block, vllm_tail_bytes
+from kvpack.sizing import VllmSpace, vllm_float16_tails, vllm_smaller_block, vllm_tail_bytes
 
 __all__ = [
     "DRAFT_FREE_METHODS",
@@ -308,9 +308,9 @@ def tail_advice(fmt: KVFormat, space: VllmSpace) -> str | None:
     found = vllm_smaller_block(fmt, space)
     if found is not None:
         options.append(f"'{found[0].name}' {found[1]:,} (shorter tails, a little more scale bytes per token)")
-    if fmt.tail is None and space.act_bytes == 4:
-        half = fmt.with_tail(DType.FP16)
-        options.append(f"'{half.name}' {space.tokens(half):,} (tails and sink rows in float16: half the bytes)")
+    halved = vllm_float16_tails(fmt, space)
+    if halved is not None:
+        options.append(f"'{halved[0].name}' {halved[1]:,} (tails and sink rows in float16: half the bytes)")
     if not options:
         return None
     mib = 2**20
