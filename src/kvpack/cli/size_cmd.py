@@ -230,24 +230,16 @@ def render(p) -> str:
                 f"fewer tokens than vLLM's own cache: {', '.join(short)}: the tails cost more than the format saves in "
                 "this space; give more space, or a lower --max-num-seqs if fewer requests run at once."
             )
-        smaller = [r for r in p.rows if r.vllm_smaller_block is not None]
-        if smaller:
-            named = ", ".join(
-                f"{r.format.name} -> '{r.vllm_smaller_block[0].name}' {r.vllm_smaller_block[1]:,}" for r in smaller
-            )
-            out.append(
-                f"smaller blocks hold more tokens here: {named} (vLLM tokens; shorter full-precision tails, more "
-                "scale bytes per sealed token; the format string sets vLLM's block size)."
-            )
-        halved = [r for r in p.rows if r.vllm_float16_tails is not None]
-        if halved:
-            named = ", ".join(
-                f"{r.format.name} -> '{r.vllm_float16_tails[0].name}' {r.vllm_float16_tails[1]:,}" for r in halved
-            )
-            out.append(
-                f"float16 tails hold more tokens here: {named} (vLLM tokens; the float32 model's tails and sink rows "
-                "in float16, half their bytes: docs/formats.md, 'tail=')."
-            )
+        for field, what, why in (
+            ("vllm_smaller_block", "smaller blocks", "shorter full-precision tails, more scale bytes per sealed token; "
+             "the format string sets vLLM's block size"),
+            ("vllm_float16_tails", "float16 tails", "the float32 model's tails and sink rows in float16, half their "
+             "bytes: docs/formats.md, 'tail='"),
+        ):  # fmt: skip
+            found = [(r.format.name, *getattr(r, field)) for r in p.rows if getattr(r, field) is not None]
+            if found:
+                named = ", ".join(f"{name} -> '{other.name}' {tokens:,}" for name, other, tokens in found)
+                out.append(f"{what} hold more tokens here: {named} (vLLM tokens; {why}).")
         refused = [r for r in p.rows if r.vllm_refused]
         if refused:
             out.append(f"refused ({', '.join(r.format.name for r in refused)}): {refused[0].vllm_refused}.")
