@@ -374,7 +374,8 @@ class _Sim:
      ("int4,block=16", "auto"), ("k8v4,sink=0", "reference"), ("int8", "triton"), ("int4,block=16", "triton"),
      ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton"), ("int8@static", "auto"),
      ("fp8@static", "reference"), ("k=int8:channel:asym:static:o4,v=int8:token,sink=1", "auto"),
-     ("int8,tail=fp16", "auto"), ("int4,block=16,tail=bf16", "reference"), ("int4,block=16,tail=fp16", "triton")],
+     ("int8,tail=fp16", "auto"), ("int4,block=16,tail=bf16", "reference"), ("int4,block=16,tail=fp16", "triton"),
+     ("fp8,tail=fp16", "auto")],
 )  # fmt: skip
 def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
     """``triton``: the Triton decode and chunk kernels (under the interpreter) reading the strided page views
@@ -553,6 +554,20 @@ def test_a_row_that_overflows_a_float16_tail_is_refused_and_nothing_is_written(r
     rows[role][57, 1, 5] = 6e4  # within float16's range: stored
     sim.layer.write(sim.kv_cache, plan, rows["key"], rows["value"])
     assert not torch.equal(sim.buf, before)
+
+
+def test_a_rotated_key_that_overflows_a_float16_tail_is_refused():
+    """``fp8`` stores keys rotated: a key whose every channel fits float16 can still overflow once rotated (the
+    rotation can gather its length into one channel); the check looks at what the tail would hold."""
+    sim = _Sim("fp8,tail=fp16", num_blocks=8, capacity=2, kernel="reference", seed=1)
+    plan = _plan(sim.table, [(0, 10, [3])])
+    key = torch.randn(10, H, D)
+    key[4, 0] = 1e5 * sim.layer.rotation[:, 0]  # every channel 1e5 / 8; rotated, channel 0 holds all of 1e5
+    assert key.abs().max() < 65504
+    before, tails = sim.buf.clone(), sim.layer.tail_k.clone()
+    with pytest.raises(NonFiniteError, match=r"a key of magnitude 1e\+05 \(step token 4, kv head 0\)"):
+        sim.layer.write(sim.kv_cache, plan, key, torch.randn(10, H, D))
+    assert torch.equal(sim.buf, before) and torch.equal(sim.layer.tail_k, tails)
 
 
 def test_tensor_parallel_workers_take_their_heads_rows_of_the_scales(tmp_path):

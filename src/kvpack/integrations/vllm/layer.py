@@ -279,7 +279,7 @@ class PagedLayer:
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.tail_dtype = tail_torch_dtype(fmt, dtype)
         # a tail narrower in range than the model's activations (float16 from float32 or bfloat16) can overflow:
-        # each write checks its rows (OverflowError's message names the fix), as kvpack's own cache does
+        # each write checks its rows (NonFiniteError, naming the fix), as kvpack's own cache does
         self._check_range = self.tail_dtype == torch.float16 and dtype != torch.float16
         self.capacity, self.device = capacity, torch.device(device)
         self.slots = capacity if slots is None else slots
@@ -370,12 +370,12 @@ class PagedLayer:
                 the format stores them rotated), any float dtype.
         """
         pools = self.pools(kv_cache)
-        k = key.to(self.tail_dtype)
+        # keys rotated (where the format rotates them), then rounded to the tail dtype, as kvpack's cache does
+        given = key if self.rotation is None else rotate(key, self.rotation)
+        k = given.to(self.tail_dtype)
         v = value.to(self.tail_dtype)
-        if self.rotation is not None:
-            k = rotate(k, self.rotation)
         if self._check_range and not (all_finite(k) and all_finite(v)):
-            self._raise_overflow(key, value)
+            self._raise_overflow((given, k), (value, v))
         if plan.seal_block.size:
             self._seal(pools, plan, k, v)  # first: a sealed block's tail slot may be handed out again this step
         if plan.move_src.size:  # tails follow their requests' rows (the right side is gathered before writing)
@@ -396,19 +396,20 @@ class PagedLayer:
             pools["sink_k"][blk, :, pos] = k[tok].to(pools["sink_k"].dtype)
             pools["sink_v"][blk, :, pos] = v[tok].to(pools["sink_v"].dtype)
 
-    def _raise_overflow(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Refuse a step whose keys or values (``[N, H, D]``, as the model gave them) do not fit the float16
-        tail, naming the first token and head; nothing has been written. Non-finite inputs are left to the paths
-        that name their place (the seal's :class:`NonFiniteError`)."""
-        if not (all_finite(key) and all_finite(value)):
+    def _raise_overflow(self, *pairs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Refuse a step whose keys or values (``(as given, as the tail holds them)`` pairs, each ``[N, H, D]``; keys
+        rotated where the format rotates them) do not fit the float16 tail, naming the first token and head;
+        nothing has been written. Non-finite inputs are left to the paths that name their place (the seal's
+        :class:`NonFiniteError`)."""
+        if not all(all_finite(given) for given, _ in pairs):
             return
         name = self.format.name or self.format.spec_string()
-        for what, x in (("key", key), ("value", value)):
-            big = (x.abs() > torch.finfo(torch.float16).max).nonzero()
-            if len(big):
-                tok, head = int(big[0, 0]), int(big[0, 1])
+        for what, (given, stored) in zip(("key", "value"), pairs):
+            bad = (~torch.isfinite(stored)).nonzero()
+            if len(bad):
+                tok, head = int(bad[0, 0]), int(bad[0, 1])
                 raise NonFiniteError(
-                    f"kvpack: a {what} of magnitude {float(x.abs().max()):.4g} (step token {tok}, kv head {head}) "
+                    f"kvpack: a {what} of magnitude {float(given.abs().max()):.4g} (step token {tok}, kv head {head}) "
                     f"overflows the float16 tail of format {name!r}, which holds up to 65504; nothing of this step "
                     "was stored. Use tail=bf16 (float32's range) or drop 'tail=' (the model's dtype)",
                     [{"token": tok, "head": head}],
