@@ -431,7 +431,7 @@ class KVFormat:
     ``tail``: the dtype of the full-precision parts (the tail and the sink rows), one of ``fp32``, ``fp16``,
     ``bf16``; ``None`` (the default): the model's own activation dtype, whatever a cache is given. A float32
     model's tails in ``fp16`` cost half the bytes (what counts where many requests each keep an open block, as
-    in vLLM) for a rounding of 2**-11 relative, far below what the sealed blocks store; fp16 holds magnitudes
+    in vLLM) for a rounding of 2**-11 relative, several times less than an int8 block's; fp16 holds magnitudes
     up to 65504, and a larger key or value is refused when written (``bf16`` keeps float32's range).
     """
 
