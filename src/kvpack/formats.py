@@ -764,8 +764,9 @@ def preset(name: str) -> KVFormat:
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
 _SCALE_NAMES = {s.value: s for s in ScaleDType} | {"fp8": ScaleDType.E8M0}
-_TAIL_NAMES = {"fp32": DType.FP32, "float32": DType.FP32, "fp16": DType.FP16, "float16": DType.FP16,
-               "bf16": DType.BF16, "bfloat16": DType.BF16}  # fmt: skip
+# tail=: the passthrough dtypes' own names, and torch's
+_TAIL_NAMES = {n: d for n, d in _DTYPE_NAMES.items() if d.is_passthrough} | {
+    "float32": DType.FP32, "float16": DType.FP16, "bfloat16": DType.BF16}  # fmt: skip
 
 # '<format>@static': the format with calibrated scales wherever a spec can take them (KVFormat.as_static)
 STATIC_SUFFIX = "@static"
