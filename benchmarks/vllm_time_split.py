@@ -3,6 +3,7 @@ process, with timers around the parts of each layer's step (the engine's warm-up
 
     python benchmarks/vllm_time_split.py --format int4            # the quick workload
     python benchmarks/vllm_time_split.py --format int8 --full     # the default (longer) workload
+    python benchmarks/vllm_time_split.py --format int4 --long-output   # long answers in a small space
     python benchmarks/vllm_time_split.py --format int4 --dtype bfloat16   # a bfloat16 model
     python benchmarks/vllm_time_split.py --format int4 --full --model gemma3-270m   # sliding-window layers
     python benchmarks/vllm_time_split.py --format int8 --ngram    # with vLLM's n-gram drafts (embedded, float32)
@@ -78,7 +79,9 @@ def _report(result_line: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", default="int4", help="a kvpack format (default int4)")
-    ap.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
+    size.add_argument("--long-output", action="store_true", help="the --long-output workload instead of --quick's")
     ap.add_argument("--dtype", default="float32", help="the model's dtype: float32 (default), bfloat16, float16")
     ap.add_argument("--model", default=None, help="a model folder or registered test model (default: the embedded)")
     ap.add_argument("--ngram", action="store_true", help="vLLM's n-gram drafting, as benchmarks/vllm_speculative.py")
@@ -88,7 +91,11 @@ def main() -> None:
     from kvpack.models.embedded import resolve_model_path
 
     model = None if args.model is None else str(resolve_model_path(args.model))
-    job = {**base_job(quick=not args.full, model=model, dtype=args.dtype), **provider_job(args.format)}
+    name = "long-output" if args.long_output else None
+    job = {
+        **base_job(quick=not args.full, model=model, dtype=args.dtype, workload_name=name),
+        **provider_job(args.format),
+    }
     if args.ngram:
         if model is not None or args.dtype != "float32":
             ap.error("--ngram sizes the reserves' extra space for the embedded model in float32 only")

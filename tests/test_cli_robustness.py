@@ -107,6 +107,7 @@ def _table(paths: dict[str, str]) -> list[tuple[list[str], str]]:
     if importlib.util.find_spec("vllm") is not None:  # the providers are checked once vLLM is known to be there
         t += [(["bench", "vllm", "--formats", f], "--formats") for f in [*FORMATS[:4], "int4/int8[x]", "int4/int3[0]"]]
         t += [(["bench", "vllm", "--model", m], "--model") for m in [paths["out_parent"], "no-such-model", ""]]
+        t += [(["bench", "vllm", "--quick", "--long-output"], "--long-output")]
     return t
 
 

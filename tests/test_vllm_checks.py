@@ -112,6 +112,26 @@ def test_bench_providers_run_with_their_formats_block_size():
         provider_job("int5")
 
 
+def test_bench_workloads():
+    """``kvpack bench vllm --long-output``: 16 short prompts, 384 new tokens each, 128 MiB, 16 running at most;
+    ``--quick`` and the default keep theirs; an unknown workload is refused by name."""
+    from kvpack.bench.vllm import base_job
+    from kvpack.errors import ConfigError
+
+    long, quick = base_job(workload_name="long-output"), base_job(quick=True)
+    assert (len(long["prompts"]), long["max_tokens"], long["max_num_seqs"]) == (16, 384, 16)
+    assert (
+        long["kv_bytes"] == 128 * 2**20 and base_job(workload_name="long-output", kv_mib=64)["kv_bytes"] == 64 * 2**20
+    )
+    assert all(160 <= len(p) <= 224 for p in long["prompts"])  # a 64-token prefix and 96-160 tokens of prose
+    assert len({tuple(p[:64]) for p in long["prompts"]}) == 1
+    assert long["max_model_len"] >= max(map(len, long["prompts"])) + 384
+    assert (len(quick["prompts"]), quick["max_tokens"], quick["kv_bytes"]) == (32, 160, 192 * 2**20)
+    assert len(base_job()["prompts"]) == 48
+    with pytest.raises(ConfigError, match="workload must be one of full, quick, long-output; got 'long'"):
+        base_job(workload_name="long")
+
+
 def test_backend_check_pays_the_tails_where_no_config_step_did():
     """A config the kvpack platform's config step never saw (as on CUDA): the check pays the tails, once."""
     cfg = _engine_config()  # no kvpack format while the config is built

@@ -21,7 +21,17 @@ from kvpack.integrations.vllm.engine import run_engine
 from kvpack.plans import parse_plan
 from kvpack.sizing import MODEL_DTYPE_BYTES
 
-__all__ = ["PROVIDERS", "Row", "base_job", "make_row", "prose_token_ids", "provider_job", "run", "workload"]
+__all__ = [
+    "PROVIDERS",
+    "WORKLOADS",
+    "Row",
+    "base_job",
+    "make_row",
+    "prose_token_ids",
+    "provider_job",
+    "run",
+    "workload",
+]
 
 # (row name, kvpack format or None, vLLM kv_cache_dtype)
 PROVIDERS = {
@@ -38,6 +48,11 @@ PROVIDERS = {
 # float32 cache holds 4k of them in 192 MiB, so it runs about a third of the requests at once and preempts.
 FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
 QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
+# Long answers to short prompts: the KV grows while decoding, to about 550 tokens a request, and 128 MiB holds
+# about five such requests in vLLM's float32 cache, so its running batch is what the space allows: small batches
+# cost this box several times more per token than full ones. The workload where KV capacity buys throughput.
+LONG_OUTPUT = {"requests": 16, "prefix": 64, "extra": (96, 160), "max_tokens": 384, "kv_mib": 128, "max_num_seqs": 16}
+WORKLOADS = {"full": FULL, "quick": QUICK, "long-output": LONG_OUTPUT}
 
 
 @dataclass
@@ -77,15 +92,20 @@ def base_job(
     max_num_seqs: int | None = None,
     kernel: str = "auto",
     dtype: str = "float32",
+    workload_name: str | None = None,
 ) -> dict[str, Any]:
     """The engine job every provider of a run shares (:mod:`kvpack.integrations.vllm.engine`): the workload's
     prompts, limits, KV space and the model's dtype (``float32``, ``bfloat16`` or ``float16``: vLLM's own cache
-    and kvpack's tails and sink rows take it); a provider adds its keys (:func:`provider_job`)."""
+    and kvpack's tails and sink rows take it); a provider adds its keys (:func:`provider_job`). The workload is
+    ``workload_name`` (a key of :data:`WORKLOADS`), else ``quick`` or ``full`` as ``quick`` says."""
     if dtype not in MODEL_DTYPE_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPE_BYTES)}; got {dtype!r}")
+    name = workload_name or ("quick" if quick else "full")
+    if name not in WORKLOADS:
+        raise ConfigError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
     from kvpack.models.embedded import ensure_converted
 
-    cfg = QUICK if quick else FULL
+    cfg = WORKLOADS[name]
     path = str(model or ensure_converted())
     prompts = workload(prose_token_ids(path), cfg["requests"], cfg["prefix"], cfg["extra"])
     longest = max(len(p) for p in prompts) + cfg["max_tokens"]
@@ -111,9 +131,10 @@ def run(
     max_num_seqs: int | None = None,
     kernel: str = "auto",
     dtype: str = "float32",
+    workload_name: str | None = None,
 ) -> list[Row]:
     """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
-    base = base_job(quick, model, kv_mib, max_num_seqs, kernel, dtype)
+    base = base_job(quick, model, kv_mib, max_num_seqs, kernel, dtype, workload_name)
     rows, reference = [], None
     for name in providers or list(PROVIDERS):
         res = run_engine({**base, **provider_job(name)})

@@ -39,6 +39,7 @@ VLLM_EPILOG = """\
 examples:
   kvpack bench vllm --quick                # vLLM default and fp8 against kvpack int8, int4, k4v2
   kvpack bench vllm --formats vllm-default,int4 --kv-mib 64 --json
+  kvpack bench vllm --long-output          # long answers: the space limits the running batch
   kvpack bench vllm --model gemma3-270m --formats vllm-default,vllm-fp8,int8,int4   # sliding-window layers
 """
 
@@ -115,7 +116,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="providers, comma list: vllm-default, vllm-fp8 and kvpack formats (default vllm-default,vllm-fp8,"
         "int8,int4,k4v2; the first is the greedy reference)",
     )
-    v.add_argument("--quick", action="store_true", help="32 shorter requests in a smaller space: a few minutes")
+    size = v.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="32 shorter requests in a smaller space: a few minutes")
+    size.add_argument(
+        "--long-output",
+        action="store_true",
+        help="16 short prompts with 384 new tokens each in 128 MiB: the space limits the running batch (about a "
+        "minute a provider on 2 cores)",
+    )
     v.add_argument(
         "--model",
         default=None,
@@ -123,9 +131,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "embedded model)",
     )
     v.add_argument(
-        "--kv-mib", type=int_in(1, 2**20), default=None, help="KV cache space in MiB (default 320; quick 192)"
+        "--kv-mib",
+        type=int_in(1, 2**20),
+        default=None,
+        help="KV cache space in MiB (default 320; quick 192; long-output 128)",
     )
-    v.add_argument("--max-num-seqs", type=int_in(1, 4096), default=None, help="vLLM's max_num_seqs (default 32)")
+    v.add_argument(
+        "--max-num-seqs", type=int_in(1, 4096), default=None, help="vLLM's max_num_seqs (default 32; long-output 16)"
+    )
     v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
     v.add_argument(
         "--dtype",
@@ -250,6 +263,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kernel=args.kernel,
         dtype=args.dtype,
+        workload_name="long-output" if args.long_output else None,
     )
     print(bench.to_json(rows) if args.json else bench.table(rows))
     return 0
