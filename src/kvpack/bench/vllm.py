@@ -1,8 +1,9 @@
 """``kvpack bench vllm``: vLLM offline on the embedded model at a fixed KV space, kvpack formats against vLLM's own.
 
-The workload is one a default cache must preempt on: many requests with long prompts of real prose (the standard
-library's ``pydoc_data.topics``) sharing a prefix, all submitted at once, greedy, a fixed number of new tokens
-each (``ignore_eos``). Every provider runs in a fresh process (:func:`kvpack.integrations.vllm.engine.run_engine`)
+Each workload (:data:`WORKLOADS`) is one a default cache must preempt on: requests with prompts of real prose
+(the standard library's ``pydoc_data.topics``) sharing a prefix, all submitted at once, greedy, a fixed number of
+new tokens each (``ignore_eos``): many long prompts (``full``, the default), fewer and shorter ones (``quick``),
+or few short prompts with long answers in a small space (``long-output``). Every provider runs in a fresh process (:func:`kvpack.integrations.vllm.engine.run_engine`)
 with the same KV space (``kv_cache_memory_bytes``: kvpack's full-precision tails are paid from it), the same
 scheduler limits and the same prompts. ``greedy_match`` is the share of sequences whose tokens equal vLLM's
 default cache's.
@@ -49,8 +50,8 @@ PROVIDERS = {
 FULL = {"requests": 48, "prefix": 256, "extra": (128, 384), "max_tokens": 256, "kv_mib": 320, "max_num_seqs": 32}
 QUICK = {"requests": 32, "prefix": 128, "extra": (64, 192), "max_tokens": 160, "kv_mib": 192, "max_num_seqs": 32}
 # Long answers to short prompts: the KV grows while decoding, to about 550 tokens a request, and 128 MiB holds
-# about five such requests in vLLM's float32 cache, so its running batch is what the space allows: small batches
-# cost this box several times more per token than full ones. The workload where KV capacity buys throughput.
+# about five such requests in vLLM's float32 cache, so its running batch is what the space allows (a step costs
+# much less than its batch's share: the weights are read once per step). Where KV capacity buys throughput.
 LONG_OUTPUT = {"requests": 16, "prefix": 64, "extra": (96, 160), "max_tokens": 384, "kv_mib": 128, "max_num_seqs": 16}
 WORKLOADS = {"full": FULL, "quick": QUICK, "long-output": LONG_OUTPUT}
 
