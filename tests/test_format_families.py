@@ -65,8 +65,8 @@ def test_fp8_holds_on_biased_keys_and_is_never_worse_than_plain_e4m3(biased):
 # `make install` installs), where every preset was weakest: its own full-precision cache against each format over
 # two 512-token windows of prose, pooled.
 
-# Measured (one thread, commit 8546df3): fp8 1.6e-2, fp8-plain 3.0e-2, int8 6.7e-4 (values without zero-points
-# 1.07e-3), int4 8.1e-2, k8v4 2.3e-2. fp8 and int4 miss their targets here (5e-3, 2e-2; docs/quality.md says why);
+# Measured (one thread, commit 8546df3, an AMD EPYC VM): fp8 1.6e-2, fp8-plain 3.0e-2, int8 6.7e-4 (values without
+# zero-points 1.07e-3), int4 8.1e-2, k8v4 2.3e-2. fp8 and int4 miss their targets here (5e-3, 2e-2; docs/quality.md says why);
 # the bounds pin where they stand with ~2x room, so that a change making them worse fails.
 FP8_GEMMA_BOUND, INT4_GEMMA_BOUND = 3e-2, 0.16
 GEMMA_FORMATS = ["fp8", "fp8-plain", "int8", "k=int8:channel:asym,v=int8:token,sink=1", "int4", "k8v4"]
@@ -94,8 +94,12 @@ def gemma_kl():
 
 def test_int8_holds_on_gemma3_where_its_values_carry_offsets(gemma_kl):
     kl = gemma_kl
-    assert kl["int8"] <= 1e-3, kl  # the target, met since values took a zero-point per token
-    assert kl["int8"] < 0.8 * kl["k=int8:channel:asym,v=int8:token,sink=1"], kl  # ... which is what met it
+    assert kl["int8"] <= 1e-3, kl  # the target
+    # The values' zero-points: on these two windows 6.7e-4 against 1.07e-3 without them on an AMD EPYC VM, but
+    # 7.2e-4 against 7.3e-4 on an Intel Xeon one (AVX-512 FP16, AMX). Why the machines differ is not known (the
+    # per-token KL is heavy-tailed: its five largest tokens carry a tenth of the mean). What holds on both: they
+    # never cost.
+    assert kl["int8"] <= 1.1 * kl["k=int8:channel:asym,v=int8:token,sink=1"], kl
 
 
 def test_fp8_and_int4_on_gemma3_are_pinned_where_they_stand(gemma_kl):
