@@ -21,7 +21,7 @@ from kvpack.bench.vllm import prose_token_ids, workload
 from kvpack.integrations.vllm.engine import run_engine
 from kvpack.models.embedded import ensure_converted
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy (see the Makefile)
 
 LAYERS, KV_HEADS, HEAD_DIM, TP = 30, 3, 64, 3
 SEQS, KV_BYTES = 4, 48 * 2**20  # per worker

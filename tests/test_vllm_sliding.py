@@ -22,7 +22,7 @@ from _models import installed_model
 from kvpack.bench.vllm import prose_token_ids, workload
 from kvpack.integrations.vllm.engine import run_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy (see the Makefile)
 
 WINDOW = 512  # Gemma 3 270M's sliding window
 SEQS = 4
