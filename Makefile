@@ -76,9 +76,9 @@ WARM_UP := -c 'from kvpack.kernels.warmup import warm_up; print(f"CPU kernels re
 test-latest: install-latest
 	$(LATEST_ENV) $(LATEST)/bin/pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(LATEST_TESTS) $(LATEST_DESELECT)
 
-# The heavy files (`-m heavy`: Gemma 3's sliding windows, tensor parallelism and the other model families through
-# vLLM: about 20 minutes of engine runs, 10 on two cores) run in `make test-heavy`: with them `make test` took more
-# than CI's 30 minutes on a slower 2-core VM.
+# The heavy files (`-m heavy`: Gemma 3's sliding windows and tensor parallelism through vLLM, about 15 minutes of
+# engine runs, 8 on two cores) run in `make test-heavy`: with them `make test` took more than CI's 30 minutes on a
+# slower 2-core VM (the sliding-window file alone is 10 minutes on one worker).
 test: lint
 	$(PY) $(WARM_UP) & main=$$!; $(MAKE) install-latest && $(LATEST_ENV) $(LPY) $(WARM_UP) && wait $$main
 	$(VENV)/bin/pytest -q $(PYTEST_WORKERS) -m "not heavy"

@@ -21,7 +21,7 @@ import sys
 from _families import save_family
 from kvpack.integrations.vllm.engine import run_engine
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # make test-heavy (see the Makefile)
+pytestmark = pytest.mark.slow
 
 COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=2048)  # fmt: skip
