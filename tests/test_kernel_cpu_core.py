@@ -145,6 +145,40 @@ def test_fp16_scale_decoding_is_exact_for_every_half():
         assert np.isnan(got[np.isnan(want)]).all()
 
 
+def test_output_rounding_to_16_bits_is_torchs_for_every_float_kind():
+    """The merge writes a bfloat16 or fp16 model's output itself: round to nearest even as torch does, for normals,
+    halfway cases, subnormals, overflow to infinity, signed zeros, infinities and NaNs."""
+    from numba import njit
+
+    nb = cpu_decode._nb()
+
+    @njit
+    def both(x, bf, hf):
+        for i in range(x.shape[0]):
+            bf[i] = nb.to_bf16_bits(x[i])
+            hf[i] = nb.to_half_bits(x[i])
+
+    g = np.random.default_rng(0)
+    bits = [g.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)]
+    halves = np.arange(1 << 16, dtype=np.uint32)  # around every half and bfloat16: exact, halfway, either side
+    for base in (torch.from_numpy(halves.astype(np.uint16).view(np.int16)).view(torch.float16).float().numpy(),
+                 (halves << 16).view(np.float32)):  # fmt: skip
+        b = base.view(np.uint32)
+        bits += [b, b + 1, b - 1, b + 0x1000, b + 0x0FFF, b + 0x1001, b + 0x8000, b + 0x7FFF]
+    x = np.concatenate(bits).view(np.float32)
+    x = np.concatenate([x, np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.99, 65520.0, 1e-8, 2.0**-25,
+                                     3 * 2.0**-26, 2.0**-24, 6e-5], np.float32)])  # fmt: skip
+    bf, hf = np.empty(x.size, np.int64), np.empty(x.size, np.int64)
+    both(x, bf, hf)
+    t = torch.from_numpy(x)
+    for got, dtype in ((bf, torch.bfloat16), (hf, torch.float16)):
+        want = t.to(dtype).view(torch.int16).numpy().view(np.uint16).astype(np.int64)
+        nan = np.isnan(x)
+        assert np.array_equal(got[~nan], want[~nan]), dtype
+        back = torch.from_numpy(got[nan].astype(np.uint16).view(np.int16)).view(dtype)
+        assert torch.isnan(back).all()  # NaN stays NaN (its payload is not kept: torch's is not either)
+
+
 def _items(costs: list[int]) -> np.ndarray:
     """Work items ``[n, 5]`` (b, h, j0, j1, tail) whose block counts are ``costs``."""
     return np.array([(0, i, 0, c, 0) for i, c in enumerate(costs)], dtype=np.int64)
@@ -323,13 +357,21 @@ def test_one_thread_leaves_one_partial_per_kv_head(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(cpu_decode, "MIN_CHUNK_TOKENS", 16)
     nb = cpu_decode._nb()
     seen = {}
-    real = nb.merge
 
-    def spy(first, kv_heads, pm, pl, pacc, *rest):
+    def spy(threads, serial, target, min_chunk, seq_lens, tables, start, window, bs, kv_heads, num_blocks, sink, q,
+            *rest):  # fmt: skip
+        """launch_one's three steps from Python, keeping the partials the merge gets."""
+        err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = nb.prepare_launch(
+            seq_lens, tables, start, window, bs, kv_heads, num_blocks, sink, target, min_chunk, 1, serial,
+            q.shape[1] // kv_heads, q.shape[2])  # fmt: skip
+        pools, (cuts, qscale, kout, kidx), out = rest[:12], rest[12:16], rest[16:]
+        nb._run_thread(np.int64(0), runs, items, q, *pools, tables, seq_lens, kstart, cuts, window, qscale, kv_heads,
+                       bs, pm, pl, pacc, kout, kidx)  # fmt: skip
         seen["first"], seen["pm"] = first.copy(), pm.copy()
-        return real(first, kv_heads, pm, pl, pacc, *rest)
+        nb.merge(first, kv_heads, pm, pl, pacc, q, *out[:5], sink_len, lo, qscale, *out[5:])
+        return err
 
-    monkeypatch.setattr(nb, "merge", spy)
+    monkeypatch.setattr(nb, "launch_one", spy)
     kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [900], kv_heads=1, head_dim=64, seed=6)
     old = torch.get_num_threads()
     torch.set_num_threads(1)

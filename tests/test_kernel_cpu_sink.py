@@ -89,3 +89,26 @@ def test_bad_sink_rows_are_refused() -> None:
         cpu_decode.decode_attention(q, _with_sink(kv, 17))
     with pytest.raises(ShapeError, match="the tail dtype"):
         cpu_decode.decode_attention(q, dataclasses.replace(good, sink_k=good.sink_k.half(), sink_v=good.sink_v.half()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sink_rows_and_output_in_the_models_dtype(dtype: torch.dtype) -> None:
+    """A 16-bit model (its tails and sink rows in its dtype): the kernel reads its 16-bit sink rows and writes its
+    16-bit output itself; the output is the float32 computation over the same (exactly widened) rows, rounded once
+    to the model's dtype."""
+    f = parse_format("int8").with_block_size(16)
+    seq_lens = [15, 16, 53, 40]
+    kv, _, _ = random_paged_kv(f, seq_lens, kv_heads=2, head_dim=64, seed=3)
+    kv = _with_sink(kv, 1)
+    low = dataclasses.replace(kv, **{n: getattr(kv, n).to(dtype) for n in ("tail_k", "tail_v", "sink_k", "sink_v")})
+    wide = dataclasses.replace(kv, **{n: getattr(low, n).float() for n in ("tail_k", "tail_v", "sink_k", "sink_v")})
+    q = torch.randn(len(seq_lens), 8, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = decode_attention(q.float(), wide, backend="cpu")  # float32 all through, the same rows
+    out = torch.full_like(q, float("nan"))
+    got = decode_attention(q, low, backend="cpu", out=out)
+    assert got is out and got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
+    fresh = decode_attention(q, low, backend="cpu")  # no out: a new tensor in q's dtype, the same values
+    assert fresh.dtype == dtype and torch.equal(fresh, got)
+    strided = torch.full((len(seq_lens), 16, 64), float("nan"), dtype=dtype)[:, ::2]  # out not contiguous
+    assert torch.equal(decode_attention(q, low, backend="cpu", out=strided), got) and torch.equal(strided, got)

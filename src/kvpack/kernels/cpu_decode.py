@@ -272,10 +272,9 @@ def _prepare(kv: PagedKV) -> _ViewState:
     tails = (_live(kv.tail_k), _live(kv.tail_v))
     state.tails = tails if all(x is not None for x in tails) else None
     state.tables, state.seq_lens = _live_array(kv.block_tables), _live_array(kv.seq_lens)
-    sinks = None
-    if kv.sink_k is not None and kv.sink_k.dtype == torch.float32:
-        sinks = (_live_array(kv.sink_k), _live_array(kv.sink_v))
-    state.sinks = sinks if sinks is not None and all(x is not None for x in sinks) else None
+    state.sinks = None
+    if kv.sink_k is not None and kv.sink_k.is_contiguous() and kv.sink_v.is_contiguous():
+        state.sinks = _sink_arrays(kv.sink_k, kv.sink_v)
     state.int_dot, state.ready = dot, True
     return state
 
@@ -533,13 +532,6 @@ def decode_attention(
     win = -1 if window is None else int(window)
     cuts = _NO_CUT if tail_cut is None else _tail_cuts(tail_cut, seq_lens, q.shape[1] // kv.kv_heads, b, window)
     threads = max(1, torch.get_num_threads())
-    g = q.shape[1] // kv.kv_heads
-    err, items, first, runs, kernel_start, sink_len, lo, pm, pl, pacc = nbm.prepare_launch(
-        seq_lens, tables, start, win, b, kv.kv_heads, num_blocks, kv.sink, *_chunking(b, threads), threads,
-        _SERIAL_BLOCKS, g, d
-    )  # fmt: skip
-    if err:
-        _raise_contents(err, seq_lens, tables, num_blocks)
     qf = q.detach().float().contiguous().numpy()
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     ks, kz, vs, vz, ko, ki = (
@@ -547,48 +539,28 @@ def decode_attention(
         for v, t in zip(prep.views, (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier, kv.k_outlier_idx))
     )
     tk, tv = prep.tails if prep.tails is not None else (_views(kv.tail_k), _views(kv.tail_v))
-    args = (
-        qf,
-        prep.k_data or _views(kv.k_data),
-        ks,
-        kz,
-        prep.kp,
-        prep.v_data or _views(kv.v_data),
-        vs,
-        vz,
-        prep.vp,
-        tk,
-        tv,
-        prep.tpk,
-        prep.tpv,
-        tables,
-        seq_lens,
-        kernel_start,
-        cuts,
-        win,
-        np.float32(sm * _LOG2E),
-        kv.kv_heads,
-        b,
-        pm,
-        pl,
-        pacc,
-        ko,
-        ki,
-    )
-    if runs.shape[0] == 1:
-        nbm.launch_one(runs, items, *args)
-    else:  # on numba's threads (torch's OpenMP workers with the omp layer): see cpu_decode_numba.launch
-        nbm.launch(runs.shape[0], runs, items, *args)
-    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
-    res = out.numpy() if direct else np.empty(qf.shape, np.float32)
-    sk, sv = _sink_rows(kv, prep.sinks) if kv.sink else (_NO_SINK, _NO_SINK)
-    nbm.merge(first, kv.kv_heads, pm, pl, pacc, qf, sk, sv, sink_len, lo, np.float32(sm * _LOG2E), res)
-    if direct:
-        return out
-    result = torch.from_numpy(res)
-    if out is not None:
-        return out.copy_(result)
-    return result.to(q.dtype)
+    if kv.sink:
+        sinks = prep.sinks if prep.sinks is not None else _sink_arrays(kv.sink_k.contiguous(), kv.sink_v.contiguous())
+    else:
+        sinks = _NO_SINKS
+    # the output written in q's dtype and the sink rows read in theirs by the compiled call (no conversions in torch)
+    direct = out is not None and out.is_contiguous()
+    res = out if direct else torch.empty(q.shape, dtype=q.dtype)
+    okind = _FLOAT_KIND[res.dtype]
+    o16, o32 = (_NO_OUT16, res.numpy()) if okind == FloatKind.F32 else (res.view(torch.int16).numpy().view(np.uint16),
+                                                                       _NO_OUT32)  # fmt: skip
+    # plan, threads and merge in one compiled call (on numba's threads, torch's OpenMP workers with the omp layer):
+    # see cpu_decode_numba.launch
+    err = (nbm.launch if threads > 1 else nbm.launch_one)(
+        threads, _SERIAL_BLOCKS, *_chunking(b, threads), seq_lens, tables, start, win, b, kv.kv_heads, num_blocks,
+        kv.sink, qf, prep.k_data or _views(kv.k_data), ks, kz, prep.kp, prep.v_data or _views(kv.v_data), vs, vz,
+        prep.vp, tk, tv, prep.tpk, prep.tpv, cuts, np.float32(sm * _LOG2E), ko, ki, *sinks, o16, o32, int(okind),
+    )  # fmt: skip
+    if err:
+        _raise_contents(err, seq_lens, tables, num_blocks)
+    if out is not None and not direct:
+        return out.copy_(res)
+    return res
 
 
 _NO_START = np.zeros(0, np.int32)  # prepare_launch's start_pos when there is none (0 for every row)
@@ -627,15 +599,24 @@ def _raise_contents(err: int, seq_lens: np.ndarray, tables: np.ndarray, num_bloc
     raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
 
 
-_NO_SINK = np.empty((0, 1, 1, 1), np.float32)  # merge's sink rows when there are none
+# merge's placeholders: the sink rows' and the output's arrays of the dtype not in use (and sink rows when there are
+# none), so that every call has the same argument types and one compiled merge serves all dtypes
+_NO_ROWS16 = np.empty((0, 1, 1, 1), np.uint16)
+_NO_ROWS32 = np.empty((0, 1, 1, 1), np.float32)
+_NO_SINKS = (_NO_ROWS16, _NO_ROWS32, _NO_ROWS16, _NO_ROWS32, int(FloatKind.F32))
+_NO_OUT16 = np.empty((0, 1, 1), np.uint16)
+_NO_OUT32 = np.empty((0, 1, 1), np.float32)
 
 
-def _sink_rows(kv: PagedKV, sinks: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-    """``[batch, H, S, D]`` float32 sink rows for :func:`cpu_decode_numba.merge` (``sinks``: live views of ``kv.sink_k`` /
-    ``kv.sink_v`` when there are, else a float32 copy)."""
-    if sinks is not None:
-        return sinks
-    return tuple(t.detach().float().contiguous().numpy() for t in (kv.sink_k, kv.sink_v))
+def _sink_arrays(sink_k: torch.Tensor, sink_v: torch.Tensor) -> tuple:
+    """``(k16, k32, v16, v32, kind)`` for :func:`cpu_decode_numba.merge`: contiguous ``[batch, H, S, D]`` sink rows
+    as numpy views sharing their memory, float32 ones as they are, 16-bit ones as their bits (``kind``: a
+    :class:`FloatKind`), the unused slots placeholders."""
+    kind = _FLOAT_KIND[sink_k.dtype]
+    if kind == FloatKind.F32:
+        return (_NO_ROWS16, sink_k.detach().numpy(), _NO_ROWS16, sink_v.detach().numpy(), int(kind))
+    k16, v16 = (t.detach().view(torch.int16).numpy().view(np.uint16) for t in (sink_k, sink_v))
+    return (k16, _NO_ROWS32, v16, _NO_ROWS32, int(kind))
 
 
 def work_items(

@@ -1987,52 +1987,134 @@ def _run_thread(t, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp,
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def launch(n, runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-           start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
-    """:func:`work` on ``n`` threads of numba's pool, thread ``t`` from ``0`` to ``n - 1`` (one iteration each;
-    a thread that gets two runs them one after the other, and :func:`take_item` balances the items either way).
+def launch(threads, serial_blocks, target_items, min_chunk, seq_lens, tables, start_pos, window, block_size, kv_heads,
+           num_blocks, sink, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, cuts, qscale,
+           kout, kidx, sk16, sk32, sv16, sv32, skind, out16, out32, okind):  # fmt: skip
+    """One decode call in one compiled call: :func:`prepare_launch` (the contents checked, the work items and the
+    threads' runs), :func:`work` on up to ``threads`` threads of numba's pool (thread ``t`` from ``0``; one run on
+    the calling thread alone, with no parallel region), then :func:`merge` into the output. Returns
+    :func:`prepare_launch`'s error code (0: the output is written; else nothing ran).
 
     The arguments are flat (arrays and numbers: kpay/vpay the payload views, kscl/vscl and kzero/vzero the scale
     and zero-point views, kp/vp the specs' parameter vectors, tailk/tailv and tpk/tpv the tails' views and
-    vectors, tables/seq_lens/start_pos/cuts the rows, pm/pl/pacc the partials): numba's dispatcher types an array in C
-    and a tuple in Python, element by element. Each thread bundles them (:func:`_run_thread`).
+    vectors, tables/seq_lens/start_pos/cuts the rows, the sink rows and the output as :func:`merge` takes them):
+    numba's dispatcher types an array in C and a tuple in Python, element by element. Each thread bundles them
+    (:func:`_run_thread`).
 
-    One compiled call starts every thread, where a Python thread pool pays a dispatcher call per thread under
-    the GIL and wakes threads that then wait for cores torch's own OpenMP workers still hold: on the 2-core
-    development VM, int4 decode of 32 requests x ~450 tokens (3 kv heads, head_dim 64) right after a matrix
-    product took 2.1 ms on a Python thread pool and 0.7 ms here (1.0 and 0.6 ms called on their own)."""
+    One compiled call does what took three (the launch plan, the threads, the merge): after a kernel pass, with the
+    caches cold, each dispatch and each array it returns cost ~5-15 us of Python. And one compiled call starts
+    every thread, where a Python thread pool pays a dispatcher call per thread under the GIL and wakes threads
+    that then wait for cores torch's own OpenMP workers still hold: on the 2-core development VM, int4 decode of 32
+    requests x ~450 tokens (3 kv heads, head_dim 64) right after a matrix product took 2.1 ms on a Python thread
+    pool and 0.7 ms on numba's (1.0 and 0.6 ms called on their own)."""
+    hq = q.shape[1]
+    d = q.shape[2]
+    err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = prepare_launch(
+        seq_lens, tables, start_pos, window, block_size, kv_heads, num_blocks, sink, target_items, min_chunk, threads,
+        serial_blocks, hq // kv_heads, d)  # fmt: skip
+    if err:
+        return err
+    n = runs.shape[0]
     # ``t`` as int64 here and in launch_one: one compile of :func:`work` serves both (as prange's uint64 and a literal
     # 0, work compiled three times: 75 s more of the first compile on one core)
-    for t in prange(n):
-        _run_thread(np.int64(t), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
-                    tables, seq_lens, start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout,
+    if n == 1:
+        _run_thread(np.int64(0), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
+                    tables, seq_lens, kstart, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout,
                     kidx)  # fmt: skip
+    else:
+        for t in prange(n):
+            _run_thread(np.int64(t), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk,
+                        tpv, tables, seq_lens, kstart, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout,
+                        kidx)  # fmt: skip
+    merge(first, kv_heads, pm, pl, pacc, q, sk16, sk32, sv16, sv32, skind, sink_len, lo, qscale, out16, out32, okind)
+    return 0
 
 
 @njit(nogil=True, cache=True)
-def launch_one(runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv, tables, seq_lens,
-               start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx):  # fmt: skip
-    """:func:`launch` on the calling thread alone (no parallel region: one run of items)."""
+def launch_one(threads, serial_blocks, target_items, min_chunk, seq_lens, tables, start_pos, window, block_size,
+               kv_heads, num_blocks, sink, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
+               cuts, qscale, kout, kidx, sk16, sk32, sv16, sv32, skind, out16, out32, okind):  # fmt: skip
+    """:func:`launch` on the calling thread alone, compiled without a parallel region (``threads`` is 1)."""
+    hq = q.shape[1]
+    d = q.shape[2]
+    err, items, first, runs, kstart, sink_len, lo, pm, pl, pacc = prepare_launch(
+        seq_lens, tables, start_pos, window, block_size, kv_heads, num_blocks, sink, target_items, min_chunk, 1,
+        serial_blocks, hq // kv_heads, d)  # fmt: skip
+    if err:
+        return err
     _run_thread(np.int64(0), runs, items, q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, tailk, tailv, tpk, tpv,
-                tables, seq_lens, start_pos, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+                tables, seq_lens, kstart, cuts, window, qscale, kv_heads, block_size, pm, pl, pacc, kout, kidx)  # fmt: skip
+    merge(first, kv_heads, pm, pl, pacc, q, sk16, sk32, sv16, sv32, skind, sink_len, lo, qscale, out16, out32, okind)
+    return 0
+
+
+@njit(**_NOREF)
+def _row_value(x16, x32, kind, b, h, p, i):
+    """Element ``[b, h, p, i]`` of rows held as float32 (``kind`` :data:`FK_F32`: ``x32``) or as 16-bit bits
+    (:data:`FK_BF16`, :data:`FK_F16`: ``x16``), as float32 (exact)."""
+    if kind == FK_F32:
+        return x32[b, h, p, i]
+    if kind == FK_BF16:
+        return _bf16(x16[b, h, p, i])
+    if _HW_HALF:
+        return _half_hw(x16[b, h, p, i])
+    return _half(x16[b, h, p, i])
+
+
+@njit(**_NOREF)
+def to_bf16_bits(x):
+    """float32 to bfloat16 bits (an int in ``[0, 65535]``), rounded to nearest even, NaN as 0x7FC0: what torch's
+    ``Tensor.to(torch.bfloat16)`` gives."""
+    u = np.int64(_f32_bits(x)) & 0xFFFFFFFF
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return np.int64(0x7FC0)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@njit(**_NOREF)
+def to_half_bits(x):
+    """float32 to IEEE fp16 bits (an int in ``[0, 65535]``), rounded to nearest even (overflow to infinity,
+    subnormals kept), NaN as a quiet NaN (0x7E00 with the sign): what torch's ``Tensor.to(torch.float16)``
+    gives."""
+    u = np.int64(_f32_bits(x)) & 0xFFFFFFFF
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return sign | 0x7E00
+    if a >= 0x47800000:  # 2**16 and above (and infinity): past the largest half after rounding
+        return sign | 0x7C00
+    if a < 0x38800000:  # below 2**-14: a subnormal half, |x| * 2**24 rounded to an integer (exact product)
+        return sign | np.int64(np.rint(_as_f32(np.int32(a)) * np.float32(16777216.0)))
+    h = (a - 0x38000000) >> 13  # exponent rebased from 127 to 15, 10 mantissa bits kept
+    rem = a & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (h & 1)):
+        h += 1  # may carry into the exponent, up to 0x7C00 (infinity): the correct rounding
+    return sign | h
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def merge(first, kv_heads, pm, pl, pacc, q, sink_k, sink_v, sink_len, lo, scale_log2, out):
-    """Combine the chunks of each ``(row, head)`` with log-sum-exp into ``out`` ``[batch, Hq, D]`` float32, with
-    the row's sink positions ``[lo, sink_len)`` as one more partial, attended here.
+def merge(first, kv_heads, pm, pl, pacc, q, sk16, sk32, sv16, sv32, skind, sink_len, lo, scale_log2, out16, out32,
+          okind):  # fmt: skip
+    """Combine the chunks of each ``(row, head)`` with log-sum-exp into the output ``[batch, Hq, D]``, with the
+    row's sink positions ``[lo, sink_len)`` as one more partial, attended here.
 
     first: ``[batch * kv_heads + 1]`` from :func:`work_items`; pm, pl, pacc: the partials from :func:`work`;
-    q: ``[batch, Hq, D]`` float32; sink_k, sink_v: ``[batch, H, S, D]`` float32 sink rows, or arrays with no
-    rows when there are none; sink_len, lo: ``[batch]`` int64 (:func:`prepare_launch`); scale_log2:
-    ``sm_scale * log2(e)``. A row with nothing to attend gets zeros. (The sink rows were a separate call with
-    its own ``[batch * H, G, D]`` partials: ~0.7 us per row and head at batch 32, more than the merge itself.)
+    q: ``[batch, Hq, D]`` float32; sink rows ``[batch, H, S, D]`` in the dtype ``skind`` names (:data:`FK_F32`:
+    ``sk32`` / ``sv32``; :data:`FK_BF16` or :data:`FK_F16`: their bits in ``sk16`` / ``sv16``; the others unread),
+    arrays with no rows when there are none; sink_len, lo: ``[batch]`` int64 (:func:`prepare_launch`);
+    scale_log2: ``sm_scale * log2(e)``; the output written in the dtype ``okind`` names (``out32`` float32, or
+    ``out16`` the bits of bfloat16 / fp16, rounded to nearest even as torch rounds). Reading the sink rows and
+    writing the output in the model's dtype here saves a call the conversions in torch, which after a kernel pass
+    (the caches cold) cost ~40 us for a bfloat16 model's sink rows alone. A row with nothing to attend gets zeros.
+    (The sink rows were a separate call with its own ``[batch * H, G, D]`` partials: ~0.7 us per row and head at
+    batch 32, more than the merge itself.)
     """
-    g_n = out.shape[1] // kv_heads
-    d = out.shape[2]
-    sinks = sink_k.shape[0] > 0
-    s_n = sink_k.shape[2]
+    g_n = (out32.shape[1] if okind == FK_F32 else out16.shape[1]) // kv_heads
+    d = q.shape[2]
+    sinks = sk32.shape[0] > 0 if skind == FK_F32 else sk16.shape[0] > 0
+    s_n = sk32.shape[2] if skind == FK_F32 else sk16.shape[2]
     x = np.empty(max(s_n, 1), np.float32)
+    o = np.empty(d, np.float32)
     for bh in range(first.shape[0] - 1):
         b = bh // kv_heads
         h = bh % kv_heads
@@ -2041,7 +2123,7 @@ def merge(first, kv_heads, pm, pl, pacc, q, sink_k, sink_v, sink_len, lo, scale_
         p0 = lo[b] if sinks else 0
         p1 = sink_len[b] if sinks else 0
         for g in range(g_n):
-            o = out[b, h * g_n + g]
+            hq = h * g_n + g
             o[:] = 0.0
             mx = np.float32(-np.inf)
             for it in range(i0, i1):
@@ -2049,24 +2131,32 @@ def merge(first, kv_heads, pm, pl, pacc, q, sink_k, sink_v, sink_len, lo, scale_
             for p in range(p0, p1):  # the sink rows' base-2 logits
                 s = _ZERO
                 for i in range(d):
-                    s += q[b, h * g_n + g, i] * sink_k[b, h, p, i]
+                    s += q[b, hq, i] * _row_value(sk16, sk32, skind, b, h, p, i)
                 x[p] = s * scale_log2
                 mx = max(mx, x[p])
-            if mx == -np.inf:
-                continue
-            den = _ZERO
-            for it in range(i0, i1):
-                if pm[it, g] == -np.inf:
-                    continue
-                f = _exp2(pm[it, g] - mx)
-                den += f * pl[it, g]
+            if mx != -np.inf:
+                den = _ZERO
+                for it in range(i0, i1):
+                    if pm[it, g] == -np.inf:
+                        continue
+                    f = _exp2(pm[it, g] - mx)
+                    den += f * pl[it, g]
+                    for i in range(d):
+                        o[i] += f * pacc[it, g, i]
+                for p in range(p0, p1):
+                    f = _exp2(x[p] - mx)
+                    den += f
+                    for i in range(d):
+                        o[i] += f * _row_value(sv16, sv32, skind, b, h, p, i)
+                inv = np.float32(1.0) / den
                 for i in range(d):
-                    o[i] += f * pacc[it, g, i]
-            for p in range(p0, p1):
-                f = _exp2(x[p] - mx)
-                den += f
+                    o[i] *= inv
+            if okind == FK_F32:
                 for i in range(d):
-                    o[i] += f * sink_v[b, h, p, i]
-            inv = np.float32(1.0) / den
-            for i in range(d):
-                o[i] *= inv
+                    out32[b, hq, i] = o[i]
+            elif okind == FK_BF16:
+                for i in range(d):
+                    out16[b, hq, i] = np.uint16(to_bf16_bits(o[i]))
+            else:
+                for i in range(d):
+                    out16[b, hq, i] = np.uint16(to_half_bits(o[i]))

@@ -98,11 +98,12 @@ def warm_up() -> float:
     fmt = preset("int4").with_block_size(16)
     kv, _, _ = random_paged_kv(fmt, [2 * 16 + 5], kv_heads=1, head_dim=64, seed=0, sink=1)
     gen = torch.Generator().manual_seed(0)
-    decode_attention(torch.randn(1, 2, 64, generator=gen), kv, backend="cpu")  # one thread: launch_one
-    chunk_attention(torch.randn(1, 3, 2, 64, generator=gen), kv, backend="cpu")
     threads = torch.get_num_threads()
     wide, _, _ = random_paged_kv(fmt, [48 * 16, 48 * 16], kv_heads=1, head_dim=64, seed=1, sink=1)
     try:
+        torch.set_num_threads(1)  # one thread: launch_one
+        decode_attention(torch.randn(1, 2, 64, generator=gen), kv, backend="cpu")
+        chunk_attention(torch.randn(1, 3, 2, 64, generator=gen), kv, backend="cpu")
         torch.set_num_threads(max(2, threads))  # enough blocks for two threads: launch
         decode_attention(torch.randn(2, 2, 64, generator=gen), wide, backend="cpu")
     finally:
