@@ -520,6 +520,28 @@ def _schedule(sim: _Sim) -> None:
     assert sim.table.num_allocated == 0
 
 
+@pytest.mark.parametrize("preset", ["int8,block=16", "int4,block=16,tail=bf16"])
+def test_a_reused_first_block_gets_its_new_sink_rows(preset):
+    """Decode steps gather each request's sink rows from its first page only when the first blocks or their sink
+    rows changed. A request that ends and whose first block becomes the next request's first block, at the same
+    row, in steps where every request decodes: the new request's sink rows, written as its position 0 arrives, are
+    what its queries read once that block seals (the oracle checks every step)."""
+    sim = _Sim(preset, num_blocks=24, capacity=2, kernel="auto", seed=5)
+    b = sim.b
+    sim.add(0)
+    sim.add(1)
+    sim.step({0: b + 5, 1: 3})  # request 1: three tokens, one (open) block
+    for _ in range(2):
+        sim.step({0: 1, 1: 1})
+    first = sim.reqs[1]["blocks"][0]
+    sim.end(1)
+    sim.add(3)
+    sim.step({0: 1, 3: 1})  # a one-token prompt: every request decodes
+    assert sim.reqs[3]["blocks"][0] == first  # the freed block, handed out next
+    for _ in range(b + 2):  # past the seal of request 3's first block, whose sink rows its queries then read
+        sim.step({0: 1, 3: 1})
+
+
 @pytest.mark.parametrize("preset", ["int8", "fp8"])  # the compiled seal, and quantize's
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_non_finite_rows_are_refused_at_seal_and_nothing_is_written(preset, role):

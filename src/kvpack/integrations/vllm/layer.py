@@ -18,6 +18,8 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -45,6 +47,9 @@ from kvpack.quant import _raise_non_finite, all_finite, quantize, tail_torch_dty
 from kvpack.rotation import key_rotation, rotate
 
 __all__ = ["DECODE_QUERIES", "DecodePass", "FusedPass", "PagedLayer", "StepTensors"]
+
+_SERIALS = itertools.count()
+_NO_BLOCKS = np.zeros(0, np.int64)
 
 
 # A request with up to this many queries in a step (a token and its drafts, a short prefill chunk) is read by the
@@ -128,6 +133,10 @@ class StepTensors:
             and no reserve is a chunk row.
         prefill_rows: requests read by the chunk kernel (numpy int64).
         decode_dense: there are requests, every one decodes, and request ``i``'s query is token ``i``.
+        first_blocks: ``[R]`` int64 each request's first block id (where its sink rows are), numpy; on the CPU only
+            (elsewhere empty: every view gathers its sink rows).
+        serial: a number no other step of this process has: the layers' shared view buffers know by it whether they
+            already hold this step's tables (:meth:`PagedLayer.view`).
         fused: on the CPU, the queries of the ``passes`` with a cut history (``DecodePass.fused``) in at most two
             calls (:class:`FusedPass`: those in the open block, those in a block the step sealed), which a layer
             without a window takes when its decode backend is the CPU kernel.
@@ -139,6 +148,8 @@ class StepTensors:
     prefill_rows: np.ndarray
     decode_dense: bool = False
     fused: tuple[FusedPass, ...] = ()
+    first_blocks: np.ndarray = dataclasses.field(default_factory=lambda: _NO_BLOCKS)
+    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor, block_size: int) -> StepTensors:
@@ -182,8 +193,9 @@ class StepTensors:
                     dst=_dev(tok[idx], dev),
                     slots=_dev(reserve[idx], dev),
                 ))  # fmt: skip
+        table = block_table.to(torch.int32)
         return cls(
-            block_table=block_table.to(torch.int32),
+            block_table=table,
             seq_lens=torch.from_numpy(sl.astype(np.int32)).to(dev),
             passes=tuple(passes),
             prefill_rows=np.nonzero(~decodable)[0],
@@ -191,6 +203,7 @@ class StepTensors:
             fused=_fused_passes(decodable, ql, open_rows, reserve, last, dev)
             if dev.type == "cpu" and not dense
             else (),
+            first_blocks=table[:, 0].numpy().astype(np.int64) if dev.type == "cpu" and table.shape[1] else _NO_BLOCKS,
         )
 
 
@@ -296,6 +309,8 @@ class PagedLayer:
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
+        self._sinks: _SinkRows | None = None  # this layer's gathered sink rows (see view)
+        self._sink_writes = 0  # sink writes into this layer's pages so far: the gathered rows are stale past one
         self._views: dict[tuple[int, int, bool], PagedKV] = {}  # (rows, table width, all rows?) -> its view
         self._tail_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._backend_of: dict[tuple, str] = {}  # (id of a view in self._views, q dtype, kernel) -> backend
@@ -392,6 +407,7 @@ class PagedLayer:
             self.tail_k.transpose(1, 2)[slot, off] = k[tok]
             self.tail_v.transpose(1, 2)[slot, off] = v[tok]
         if plan.sink_tok.size:
+            self._sink_writes += 1
             tok, blk, pos = (torch.from_numpy(x).to(k.device) for x in (plan.sink_tok, plan.sink_block, plan.sink_pos))
             pools["sink_k"][blk, :, pos] = k[tok].to(pools["sink_k"].dtype)
             pools["sink_v"][blk, :, pos] = v[tok].to(pools["sink_v"].dtype)
@@ -441,24 +457,40 @@ class PagedLayer:
         width = st.block_table.shape[1]
         if self._rows is None or self._rows.capacity < r:
             self._rows = _Rows.shared(max(self.capacity, r), self, st.block_table.device)
+            if self.format.sink:
+                self._sinks = _SinkRows(max(self.capacity, r), self, st.block_table.device)
             self._views, self._backend_of = {}, {}
-        tables, lens, tail_k, tail_v, sink_k, sink_v = self._rows.take(r, width)
+        buf = self._rows
+        tables, lens, tail_k, tail_v = buf.take(r, width)
+        sink_k, sink_v = self._sinks.take(r) if self._sinks is not None else (None, None)
         if rows is None:
-            tables.copy_(st.block_table)
-            lens.copy_(st.seq_lens)
+            # the layers share these buffers and run one after another: the first layer of a step fills them
+            if buf.holds != (st.serial, width, None if back is None else id(back)):
+                tables.copy_(st.block_table)
+                lens.copy_(st.seq_lens)
+                if back is not None:
+                    lens.sub_(back)
+                buf.holds = (st.serial, width, None if back is None else id(back))
             tail_k, tail_v = self._tail_rows(r)
         else:
             torch.index_select(st.block_table, 0, rows, out=tables)
             torch.index_select(st.seq_lens, 0, rows, out=lens)
+            if back is not None:
+                lens.sub_(back)
+            buf.holds = None
             src = rows if slots is None else slots  # request i's tail is slot i (TailTable), or a reserve
             torch.index_select(self.tail_k, 0, src, out=tail_k)
             torch.index_select(self.tail_v, 0, src, out=tail_v)
-        if back is not None:
-            lens.sub_(back)
         if sink_k is not None:
-            first = tables[:, 0].long()
-            torch.index_select(pools["sink_k"], 0, first, out=sink_k)
-            torch.index_select(pools["sink_v"], 0, first, out=sink_v)
+            # each request's sink rows from its first page: gathered again only when the first blocks or their sink
+            # rows changed (a first block's page changes only by a sink write of this layer)
+            key = (st.first_blocks, self._sink_writes) if rows is None and len(st.first_blocks) == r else None
+            held = self._sinks.holds
+            if key is None or held is None or held[1] != key[1] or not np.array_equal(held[0], key[0]):
+                first = tables[:, 0].long()
+                torch.index_select(pools["sink_k"], 0, first, out=sink_k)
+                torch.index_select(pools["sink_v"], 0, first, out=sink_v)
+                self._sinks.holds = key
         key = (r, width, rows is None)
         kv = self._views.get(key)
         if kv is None:
@@ -566,41 +598,59 @@ class PagedLayer:
 
 class _Rows:
     """Persistent buffers behind the views of up to ``capacity`` requests (block tables ``[n, W]`` int32 for
-    each table width ``W`` met, lengths ``[n]`` int32, tails ``[n, H, B, D]`` and sink rows ``[n, H, S, D]`` in
-    the layer's tail dtype), and their first-``r``-rows slices, the same tensor objects every time (see
-    :meth:`PagedLayer.view`). The layers of a model share one set (:meth:`shared`): they run one after another,
-    and each fills the buffers before its kernel reads them, so the gathered tails cost one layer's tails, not
-    a second tail pool."""
+    each table width ``W`` met, lengths ``[n]`` int32, tails ``[n, H, B, D]`` in the layer's tail dtype), and their
+    first-``r``-rows slices, the same tensor objects every time (see :meth:`PagedLayer.view`). The layers of a model
+    share one set (:meth:`shared`): they run one after another, and each fills the buffers before its kernel reads
+    them, so the gathered tails cost one layer's tails, not a second tail pool; ``holds`` names the step and view
+    whose tables and lengths the buffers hold (None: another), which the next layers then do not copy again."""
 
     _by_shape: ClassVar[dict[tuple, _Rows]] = {}
 
     @classmethod
     def shared(cls, capacity: int, layer: PagedLayer, device: torch.device) -> _Rows:
         """The set for ``layer``'s shape, dtype and device with room for ``capacity`` rows."""
-        key = (layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink, layer.tail_dtype, device)
+        key = (layer.kv_heads, layer.format.block_size, layer.head_dim, layer.tail_dtype, device)
         hit = cls._by_shape.get(key)
         if hit is None or hit.capacity < capacity:
             hit = cls._by_shape[key] = cls(capacity, layer, device)
         return hit
 
     def __init__(self, capacity: int, layer: PagedLayer, device: torch.device) -> None:
-        h, b, d, s = layer.kv_heads, layer.format.block_size, layer.head_dim, layer.format.sink
+        h, b, d = layer.kv_heads, layer.format.block_size, layer.head_dim
         self.capacity, self.device = capacity, device
         self.tables: dict[int, torch.Tensor] = {}
         self.lens = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.tail_k = torch.zeros(capacity, h, b, d, dtype=layer.tail_dtype, device=device)
         self.tail_v = torch.zeros_like(self.tail_k)
-        self.sink_k = torch.zeros(capacity, h, s, d, dtype=layer.tail_dtype, device=device) if s else None
-        self.sink_v = torch.zeros_like(self.sink_k) if s else None
+        self.holds: tuple | None = None
         self._slices: dict[tuple[int, int], tuple] = {}
 
     def take(self, r: int, width: int) -> tuple:
-        """``(tables, lens, tail_k, tail_v, sink_k, sink_v)`` of the first ``r`` rows, tables ``width`` wide
-        (sinks None without)."""
+        """``(tables, lens, tail_k, tail_v)`` of the first ``r`` rows, tables ``width`` wide."""
         hit = self._slices.get((r, width))
         if hit is None:
             if width not in self.tables:
                 self.tables[width] = torch.zeros(self.capacity, width, dtype=torch.int32, device=self.device)
-            parts = (self.tables[width], self.lens, self.tail_k, self.tail_v, self.sink_k, self.sink_v)
-            hit = self._slices[r, width] = tuple(None if t is None else t[:r] for t in parts)
+            parts = (self.tables[width], self.lens, self.tail_k, self.tail_v)
+            hit = self._slices[r, width] = tuple(t[:r] for t in parts)
+        return hit
+
+
+class _SinkRows:
+    """One layer's sink rows of up to ``capacity`` requests, gathered from their first pages (``[n, H, S, D]`` in
+    the layer's tail dtype, keys and values), and their first-``r``-rows slices (the same tensor objects every time).
+    ``holds``: the first block ids and the layer's sink-write count they were gathered at (None: unknown), so that a
+    step whose requests have the same first blocks, none of them written since, gathers nothing."""
+
+    def __init__(self, capacity: int, layer: PagedLayer, device: torch.device) -> None:
+        shape = (capacity, layer.kv_heads, layer.format.sink, layer.head_dim)
+        self.sink_k = torch.zeros(shape, dtype=layer.tail_dtype, device=device)
+        self.sink_v = torch.zeros_like(self.sink_k)
+        self.holds: tuple | None = None
+        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self._slices.get(r)
+        if hit is None:
+            hit = self._slices[r] = (self.sink_k[:r], self.sink_v[:r])
         return hit
