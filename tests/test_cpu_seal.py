@@ -138,3 +138,29 @@ def test_gather_blocks_refuses_rows_outside_its_inputs(slots, froms, toks):
 
     with pytest.raises(ShapeError, match="outside"):
         cpu_seal.gather_blocks(torch.zeros(3, 2, 8, 4), torch.zeros(20, 2, 4), *map(np.array, (slots, froms, toks)))
+
+
+@pytest.mark.parametrize(
+    ("slots", "froms", "toks"),
+    [([3], [2], [0]), ([0], [9], [0]), ([0], [0], [13]), ([0], [2], [-1]), ([-1], [1], [0])],
+)
+def test_seal_step_refuses_rows_outside_its_inputs_and_writes_nothing(slots, froms, toks):
+    """The step's seal checks its indices in the compiled call (slot, tail rows, step rows, negatives): a typed
+    error, and every page row as it was. A block with no tail rows reads no slot (any slot passes)."""
+    from kvpack.errors import ShapeError
+
+    fmt = PRESETS["int8"].with_block_size(8)
+    h, t, d = 2, 8, 64
+    tails = (torch.randn(3, h, t, d), torch.randn(3, h, t, d))
+    new = (torch.randn(20, h, d), torch.randn(20, h, d))
+    widths = {p: [w.shape[1] for w in _expected(torch.randn(1, h, t, d), spec)] for p, spec in
+              (("k", fmt.key), ("v", fmt.value))}  # fmt: skip
+    rows = tuple(tuple(torch.full((4, w), 7, dtype=torch.uint8) for w in widths[p]) for p in "kv")
+    before = [r.clone() for part in rows for r in part]
+    args = (*map(np.array, (slots, froms, toks)), np.array([1]), (fmt.key, fmt.value), rows)
+    with pytest.raises(ShapeError, match="outside"):
+        cpu_seal.seal_step(tails, new, *args)
+    assert all(torch.equal(a, b) for a, b in zip(before, [r for part in rows for r in part]))
+    assert cpu_seal.seal_step(tails, new, np.array([-1]), np.array([0]), np.array([12]), np.array([1]),
+                              (fmt.key, fmt.value), rows)  # fmt: skip
+    assert not all(torch.equal(a, b) for a, b in zip(before, [r for part in rows for r in part]))

@@ -532,7 +532,10 @@ def decode_attention(
     win = -1 if window is None else int(window)
     cuts = _NO_CUT if tail_cut is None else _tail_cuts(tail_cut, seq_lens, q.shape[1] // kv.kv_heads, b, window)
     threads = max(1, torch.get_num_threads())
-    qf = q.detach().float().contiguous().numpy()
+    if q.dtype is torch.float32 and not q.requires_grad and q.is_contiguous():
+        qf = q.numpy()  # each torch call here costs a few us with the caches cold after a kernel pass
+    else:
+        qf = q.detach().float().contiguous().numpy()
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     ks, kz, vs, vz, ko, ki = (
         v if v is not None else _views(t)

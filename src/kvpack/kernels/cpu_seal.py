@@ -151,6 +151,7 @@ def seal_step(
     ids: np.ndarray,
     specs: tuple[QuantSpec, QuantSpec],
     rows: tuple[tuple, tuple],
+    arrays: tuple | None = None,
 ) -> bool:
     """Gather and seal a step's filled blocks, keys and values, in one compiled call: what :func:`gather_blocks`
     then :func:`seal_blocks` for each do, with tails in any of :data:`ROW_DTYPES` (bfloat16 and float16 widened
@@ -161,7 +162,7 @@ def seal_step(
             views allowed, as vLLM hands them over), the tails' dtype. slots, froms, toks: as in
             :func:`gather_blocks`; ids: ``[K]`` destination rows.
         specs: the key and value specs (:func:`supports` both). rows: ``(data, scale, zero)`` for each, as in
-            :func:`seal_blocks`.
+            :func:`seal_blocks`. arrays: :func:`seal_arrays` of ``tails`` and ``rows`` (None: made here).
 
     Returns:
         False, with nothing written, when a key or value is not finite (raise with
@@ -170,18 +171,35 @@ def seal_step(
     Raises:
         ShapeError: an index outside the tails or the step's rows (nothing read).
     """
-    slots, froms, toks = _check_gather(tails[0], new[0], slots, froms, toks)
     _, h, t, d = tails[0].shape
     kind = ROW_DTYPES[tails[0].dtype]
+    i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
+    slots, froms, toks, ids = i64(slots), i64(froms), i64(toks), i64(ids)
     buf_k, buf_v = (np.empty((len(slots), h, t, d), np.float32) for _ in range(2))
-    (kd, ks, kz), (vd, vs, vz) = rows
+    tk, tv, kd, ks, kz, vd, vs, vz = arrays or seal_arrays(tails, rows)
     err = _numba().seal_step(
-        *map(_rows_np, (*tails, *new)), kind, _f16_table(), slots, froms, toks,
-        np.ascontiguousarray(ids, dtype=np.int64), buf_k, buf_v,
-        _spec_args(specs[0], h, t, d), kd.numpy(), ks.numpy(), (ks if kz is None else kz).numpy(),
-        _spec_args(specs[1], h, t, d), vd.numpy(), vs.numpy(), (vs if vz is None else vz).numpy(),
+        tk, tv, *map(_rows_np, new), kind, _f16_table(), slots, froms, toks, ids, buf_k, buf_v,
+        _spec_args(specs[0], h, t, d), kd, ks, kz, _spec_args(specs[1], h, t, d), vd, vs, vz,
     )  # fmt: skip
+    if err == 2:
+        raise ShapeError(f"seal_step: rows outside the tails {tuple(tails[0].shape)} or the step's "
+                         f"{tuple(new[0].shape)}")  # fmt: skip
     return err == 0
+
+
+def seal_arrays(tails: tuple[torch.Tensor, torch.Tensor], rows: tuple[tuple, tuple]) -> tuple[np.ndarray, ...]:
+    """The numpy arrays :func:`seal_step` reads ``tails`` and writes ``rows`` as (``(tail_k, tail_v, k_data, k_scale,
+    k_zero, v_data, v_scale, v_zero)``, sharing memory; a missing zero-point pool stands in as its scale pool, never
+    written): a caller that seals into the same pools step after step makes them once."""
+    (kd, ks, kz), (vd, vs, vz) = rows
+    return (*row_arrays(*tails), kd.numpy(), ks.numpy(), (ks if kz is None else kz).numpy(), vd.numpy(), vs.numpy(),
+            (vs if vz is None else vz).numpy())  # fmt: skip
+
+
+def row_arrays(*ts: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The numpy arrays the compiled loops read ``ts`` as (float32 as is, 16-bit as their bits), sharing memory:
+    a caller that writes into the same tensors step after step makes them once (see :func:`write_rows`)."""
+    return tuple(map(_rows_np, ts))
 
 
 def write_rows(
@@ -190,18 +208,21 @@ def write_rows(
     toks: np.ndarray,
     slots: np.ndarray,
     offs: np.ndarray,
+    tail_arrays: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """``tail[slots[i], :, offs[i]] = new[toks[i]]`` for keys and values in one compiled call (in the vLLM backend
     ~23 us a layer and step, where the two torch scatters it replaces and their index tensors took ~60 us).
 
     Args:
         tails: ``[capacity, H, T, D]``; new: ``[N, H, D]`` (strided views allowed), the same dtype (one of
-            :data:`ROW_DTYPES`). toks, slots, offs: ``[M]`` int64.
+            :data:`ROW_DTYPES`). toks, slots, offs: ``[M]`` int64. tail_arrays: :func:`row_arrays` of ``tails``
+            (None: made here).
 
     Raises:
         ShapeError: an index outside the tails or the rows (nothing written).
     """
-    if _numba().write_rows(*map(_rows_np, (*tails, *new)), toks, slots, offs):
+    arrays = (*(tail_arrays or map(_rows_np, tails)), *map(_rows_np, new))
+    if _numba().write_rows(*arrays, toks, slots, offs):
         raise ShapeError(
             f"write_rows: rows outside the tails {tuple(tails[0].shape)} or the step's {tuple(new[0].shape)}"
         )

@@ -306,6 +306,9 @@ class PagedLayer:
         self._compiled_writes = (
             self.device.type == "cpu" and self.tail_dtype in cpu_seal.ROW_DTYPES and cpu_seal.available()
         )
+        # the tail pools as the compiled writes read them, made once (not per step: caches cold, each costs us)
+        self._tail_arrays = cpu_seal.row_arrays(self.tail_k, self.tail_v) if self._compiled_writes else None
+        self._seal_arrays: tuple | None = None  # (the page views, cpu_seal.seal_arrays of the tails and their rows)
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
@@ -331,8 +334,10 @@ class PagedLayer:
         if self._compiled_writes and all(map(cpu_seal.supports, specs)):
             rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
             tails = (self.tail_k, self.tail_v)
+            if self._seal_arrays is None or self._seal_arrays[0] is not pools:  # made once per set of page views
+                self._seal_arrays = (pools, cpu_seal.seal_arrays(tails, rows))
             if cpu_seal.seal_step(tails, (k, v), plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block,
-                                  specs, rows):  # fmt: skip
+                                  specs, rows, self._seal_arrays[1]):  # fmt: skip
                 return
             # a key or value is not finite, nothing was written: the path below names the place and raises
         b = self.format.block_size
@@ -398,7 +403,8 @@ class PagedLayer:
             self.tail_k[dst] = self.tail_k[src]
             self.tail_v[dst] = self.tail_v[src]
         if plan.write_tok.size and self._compiled_writes:  # one compiled call for keys and values
-            cpu_seal.write_rows((self.tail_k, self.tail_v), (k, v), plan.write_tok, plan.write_slot, plan.write_off)
+            cpu_seal.write_rows((self.tail_k, self.tail_v), (k, v), plan.write_tok, plan.write_slot, plan.write_off,
+                                self._tail_arrays)  # fmt: skip
         elif plan.write_tok.size:
             tok, slot, off = (
                 torch.from_numpy(x).to(k.device) for x in (plan.write_tok, plan.write_slot, plan.write_off)
@@ -486,7 +492,12 @@ class PagedLayer:
             # rows changed (a first block's page changes only by a sink write of this layer)
             key = (st.first_blocks, self._sink_writes) if rows is None and len(st.first_blocks) == r else None
             held = self._sinks.holds
-            if key is None or held is None or held[1] != key[1] or not np.array_equal(held[0], key[0]):
+            if (
+                key is None
+                or held is None
+                or held[1] != key[1]
+                or (held[0] is not key[0] and not np.array_equal(held[0], key[0]))
+            ):
                 first = tables[:, 0].long()
                 torch.index_select(pools["sink_k"], 0, first, out=sink_k)
                 torch.index_select(pools["sink_v"], 0, first, out=sink_v)
