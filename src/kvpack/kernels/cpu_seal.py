@@ -60,23 +60,9 @@ def _rows_np(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
 
 
-def _check_gather(
-    tail: torch.Tensor, new: torch.Tensor, slots: np.ndarray, froms: np.ndarray, toks: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The int64 index arrays, after checking that every block's rows lie inside ``tail`` and ``new`` (the
-    compiled loops do not check their indices)."""
-    k, (cap, h, t, d) = len(slots), tail.shape
-    i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
-    slots, froms, toks = i64(slots), i64(froms), i64(toks)
-    if k and not (
-        new.shape[1:] == (h, d)
-        and ((slots >= 0) & (slots < cap) | (froms == 0)).all()  # a block with no tail rows has no slot
-        and 0 <= froms.min() <= froms.max() <= t
-        and toks.min() >= 0
-        and (toks + t - froms).max() <= new.shape[0]
-    ):
-        raise ShapeError(f"gather_blocks: rows outside the tails {tuple(tail.shape)} or the step's {tuple(new.shape)}")
-    return slots, froms, toks
+def _int64(*xs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Index arrays as the compiled loops take them (contiguous int64; no copy when they already are)."""
+    return tuple(np.ascontiguousarray(x, dtype=np.int64) for x in xs)
 
 
 def gather_blocks(
@@ -97,12 +83,13 @@ def gather_blocks(
     Raises:
         ShapeError: an index outside ``tail`` or ``new`` (nothing read).
     """
-    slots, froms, toks = _check_gather(tail, new, slots, froms, toks)
+    slots, froms, toks = _int64(slots, froms, toks)
+    rows = tuple(map(_rows_np, (tail, new)))
+    if not _numba().rows_inside(*rows, slots, froms, toks):
+        raise ShapeError(f"gather_blocks: rows outside the tails {tuple(tail.shape)} or the step's {tuple(new.shape)}")
     k, (_, h, t, d) = len(slots), tail.shape
     out = np.empty((k, h, t, d), np.float32)
-    ok = _numba().gather_into(
-        *map(_rows_np, (tail, new)), ROW_DTYPES[tail.dtype], _f16_table(), slots, froms, toks, out
-    )
+    ok = _numba().gather_into(*rows, ROW_DTYPES[tail.dtype], _f16_table(), slots, froms, toks, out)
     return torch.from_numpy(out), bool(ok)
 
 
@@ -173,8 +160,7 @@ def seal_step(
     """
     _, h, t, d = tails[0].shape
     kind = ROW_DTYPES[tails[0].dtype]
-    i64 = functools.partial(np.ascontiguousarray, dtype=np.int64)
-    slots, froms, toks, ids = i64(slots), i64(froms), i64(toks), i64(ids)
+    slots, froms, toks, ids = _int64(slots, froms, toks, ids)
     buf_k, buf_v = (np.empty((len(slots), h, t, d), np.float32) for _ in range(2))
     tk, tv, kd, ks, kz, vd, vs, vz = arrays or seal_arrays(tails, rows)
     err = _numba().seal_step(

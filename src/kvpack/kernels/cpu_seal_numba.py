@@ -321,13 +321,29 @@ def gather_into(tail, new, kind, f16, slots, froms, toks, out):
     return _finite(out)
 
 
+@njit(cache=True, nogil=True)
+def rows_inside(tail, new, slots, froms, toks):
+    """Whether every block :func:`gather_into` would assemble from ``tail`` ``[capacity, H, T, D]`` and ``new``
+    ``[N, H, D]`` lies inside them (``slots``, ``froms``, ``toks``: ``[K]`` int64; a block with no tail rows,
+    ``froms`` 0, reads no slot). In compiled code: the same checks in numpy cost ~70 us a call inside a serving
+    engine, its caches cold."""
+    cap, h, t, d = tail.shape
+    n = new.shape[0]
+    if new.shape[1] != h or new.shape[2] != d:
+        return False
+    for i in range(slots.shape[0]):
+        f = froms[i]
+        if f < 0 or f > t or toks[i] < 0 or toks[i] + t - f > n or (f > 0 and not (0 <= slots[i] < cap)):
+            return False
+    return True
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def seal_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, buf_k, buf_v,
               kq, k_data, k_scale, k_zero, vq, v_data, v_scale, v_zero):  # fmt: skip
     """The blocks a step fills, keys and values, gathered (:func:`gather_into`) and sealed (:func:`seal_int`)
     in one call. Returns 0; 1 with nothing written when a key or value is not finite; 2 with nothing read when a
-    block's rows lie outside the tails or the step's rows (checked here: in Python the same checks on these small
-    arrays cost ~70 us a call in a serving engine, its caches cold).
+    block's rows lie outside the tails or the step's rows (:func:`rows_inside`).
 
     Args:
         tail_k, tail_v: ``[capacity, H, T, D]`` the tails; new_k, new_v: ``[N, H, D]`` the step's rows; float32,
@@ -337,14 +353,8 @@ def seal_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, 
         kq, vq: ``(hs, ts, cs, bits, asym, qmin, qmax)`` of the key and value specs (see :func:`seal_int`);
             k_data ... v_zero: their destination rows.
     """
-    cap, h, t, d = tail_k.shape
-    n = new_k.shape[0]
-    if new_k.shape[1] != h or new_k.shape[2] != d or new_v.shape[0] != n or tail_v.shape[0] != cap:
+    if not (rows_inside(tail_k, new_k, slots, froms, toks) and rows_inside(tail_v, new_v, slots, froms, toks)):
         return 2
-    for i in range(slots.shape[0]):
-        f = froms[i]
-        if f < 0 or f > t or toks[i] < 0 or toks[i] + t - f > n or (f > 0 and not (0 <= slots[i] < cap)):
-            return 2
     ok_k = gather_into(tail_k, new_k, kind, f16, slots, froms, toks, buf_k)
     ok_v = gather_into(tail_v, new_v, kind, f16, slots, froms, toks, buf_v)
     if not (ok_k and ok_v):

@@ -241,16 +241,15 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         """This layer's :class:`PagedLayer` (its ``slots`` tails) for ``capacity`` requests, in the query's dtype
         and device; ``name``: the vLLM layer's name, whose number picks the layer's format in a per-layer plan."""
         lay = self._layer
-        if (
+        # checked without building a torch.device per call on the CPU (a few us each there, the caches cold)
+        same = (
             lay is not None
             and lay.capacity == capacity
             and lay.slots == slots
             and lay.dtype is query.dtype
             and (query.is_cpu if lay.device.type == "cpu" else lay.device == query.device)
-        ):  # the common case, checked without building a torch.device per call (a few us each, caches cold)
-            return
-        want = (capacity, slots, query.dtype, query.device)
-        if lay is None or (lay.capacity, lay.slots, lay.dtype, lay.device) != want:
+        )
+        if not same:
             fmt = self.settings.format_of(name)
             h, d = self.num_kv_heads, self.head_size
             cal = layer_calibration(
