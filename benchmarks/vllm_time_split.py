@@ -7,6 +7,7 @@ process, with timers around the parts of each layer's step (the engine's warm-up
     python benchmarks/vllm_time_split.py --format int4 --dtype bfloat16   # a bfloat16 model
     python benchmarks/vllm_time_split.py --format int4 --full --model gemma3-270m   # sliding-window layers
     python benchmarks/vllm_time_split.py --format int8 --ngram    # with vLLM's n-gram drafts (embedded, float32)
+    python benchmarks/vllm_time_split.py --format vllm-fp8        # vLLM's own fp8 cache: its attention layer's forward
 
 Prints, per part, its total seconds, its calls and microseconds per call: the whole attention layer
 (``forward``), its writes (``write``: the seals, of which the compiled gathering and quantization, and the tail
@@ -43,10 +44,14 @@ def _timed(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, wrapper)
 
 
-def _install() -> None:
+def _install(own: bool) -> None:
     from kvpack.integrations.vllm import backend, engine, layer
     from kvpack.kernels import cpu_seal
 
+    if own:  # vLLM's own cache (vllm-default, vllm-fp8): its CPU attention layer's forward, for comparison
+        from vllm.v1.attention.backends import cpu_attn
+
+        _timed(cpu_attn.CPUAttentionBackendImpl, "forward", "forward")
     _timed(backend.KVPackAttentionImpl, "forward", "forward")
     _timed(layer.PagedLayer, "write", "write")
     _timed(layer.PagedLayer, "_seal", "write: seal")
@@ -78,7 +83,11 @@ def _report(result_line: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--format", default="int4", help="a kvpack format (default int4)")
+    ap.add_argument(
+        "--format",
+        default="int4",
+        help="a kvpack format (default int4), or vllm-default / vllm-fp8: vLLM's own attention timed",
+    )
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true", help="the default workload instead of --quick's")
     size.add_argument("--long-output", action="store_true", help="the --long-output workload instead of --quick's")
@@ -109,7 +118,7 @@ def main() -> None:
         reserves = tail_pool_bytes(parse_format(args.format), LAYERS, KV_HEADS, HEAD_DIM, torch.float32,
                                    job["max_num_seqs"])  # fmt: skip
         job |= {"kv_bytes": job["kv_bytes"] + reserves, "engine_kwargs": {"speculative_config": NGRAM}}
-    _install()
+    _install(args.format.startswith("vllm-"))
     sys.stdin = io.StringIO(json.dumps(job))
     out = io.StringIO()
     stdout, sys.stdout = sys.stdout, out

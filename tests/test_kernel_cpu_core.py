@@ -440,6 +440,23 @@ def test_a_bad_view_is_refused_on_every_call_and_its_state_goes_with_it() -> Non
     assert len(cpu_decode._states) == before  # dropped with its view: no pools kept alive
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_query_as_float32_is_torchs_widening_for_strided_views(dtype: torch.dtype) -> None:
+    """The kernel's query comes from numpy (no torch call after a kernel pass): bit for bit torch's widening, for a
+    view strided as vLLM hands it over (the query heads of a fused qkv row), specials included."""
+    qkv = (torch.randn(5, 3 * 64) * 300).to(dtype)
+    qkv[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-42, -3e-39]).to(dtype)
+    q = qkv[:, :128].view(5, 2, 64)  # row stride 192: not contiguous
+    assert not q.is_contiguous()
+    got = cpu_decode.query_f32(q)
+    want = q.float().contiguous().numpy()
+    assert got.flags.c_contiguous and got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bits: signed zeros and NaNs too
+    dense = q.contiguous()
+    if dtype is torch.float32:  # a contiguous float32 query is read in place
+        assert np.shares_memory(cpu_decode.query_f32(dense), dense.numpy())
+
+
 def test_non_contiguous_tensors_are_read_afresh_every_call() -> None:
     import dataclasses
 

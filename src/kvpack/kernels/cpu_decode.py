@@ -532,10 +532,7 @@ def decode_attention(
     win = -1 if window is None else int(window)
     cuts = _NO_CUT if tail_cut is None else _tail_cuts(tail_cut, seq_lens, q.shape[1] // kv.kv_heads, b, window)
     threads = max(1, torch.get_num_threads())
-    if q.dtype is torch.float32 and not q.requires_grad and q.is_contiguous():
-        qf = q.numpy()  # each torch call here costs a few us with the caches cold after a kernel pass
-    else:
-        qf = q.detach().float().contiguous().numpy()
+    qf = query_f32(q)
     sm = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     ks, kz, vs, vz, ko, ki = (
         v if v is not None else _views(t)
@@ -564,6 +561,20 @@ def decode_attention(
     if out is not None and not direct:
         return out.copy_(res)
     return res
+
+
+def query_f32(q: torch.Tensor) -> np.ndarray:
+    """``q`` (any shape; float32, float16 or bfloat16, strided views allowed) as a C-contiguous float32 numpy array
+    (``q``'s own memory when it is a contiguous float32 tensor). Converted in numpy, not torch: right after a kernel
+    pass has streamed the history through the caches, a torch call costs tens of microseconds (a strided query's
+    ``.float().contiguous()`` took ~50 us there), a numpy one a few."""
+    if q.dtype is torch.float32:
+        a = q.detach().numpy()
+        return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    bits = q.detach().view(torch.int16).numpy().view(np.uint16)
+    if q.dtype is torch.bfloat16:  # bfloat16 is the top half of a float32
+        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
 
 
 _NO_START = np.zeros(0, np.int32)  # prepare_launch's start_pos when there is none (0 for every row)

@@ -308,7 +308,8 @@ class PagedLayer:
         )
         # the tail pools as the compiled writes read them, made once (not per step: caches cold, each costs us)
         self._tail_arrays = cpu_seal.row_arrays(self.tail_k, self.tail_v) if self._compiled_writes else None
-        self._seal_arrays: tuple | None = None  # (the page views, cpu_seal.seal_arrays of the tails and their rows)
+        # (the page views, (their rows, cpu_seal.seal_arrays of the tails and those rows)) for the compiled seals
+        self._seal_arrays: tuple | None = None
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
@@ -316,7 +317,8 @@ class PagedLayer:
         self._sink_writes = 0  # sink writes into this layer's pages so far: the gathered rows are stale past one
         self._views: dict[tuple[int, int, bool], PagedKV] = {}  # (rows, table width, all rows?) -> its view
         self._tail_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._backend_of: dict[tuple, str] = {}  # (id of a view in self._views, q dtype, kernel) -> backend
+        # (id of a view in self._views, q dtype, kernel[, "chunk"]) -> its decode (chunk) backend (None: reference)
+        self._backend_of: dict[tuple, str | None] = {}
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
@@ -331,13 +333,18 @@ class PagedLayer:
 
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         specs = (self.format.key, self.format.value)
-        if self._compiled_writes and all(map(cpu_seal.supports, specs)):
+        if self._compiled_writes and self._seal_arrays is not None and self._seal_arrays[0] is pools:
+            compiled = self._seal_arrays[1]
+        elif self._compiled_writes and all(map(cpu_seal.supports, specs)):
             rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
-            tails = (self.tail_k, self.tail_v)
-            if self._seal_arrays is None or self._seal_arrays[0] is not pools:  # made once per set of page views
-                self._seal_arrays = (pools, cpu_seal.seal_arrays(tails, rows))
-            if cpu_seal.seal_step(tails, (k, v), plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block,
-                                  specs, rows, self._seal_arrays[1]):  # fmt: skip
+            # made once per set of page views: the rows and their numpy views (each costs us with the caches cold)
+            compiled = (rows, cpu_seal.seal_arrays((self.tail_k, self.tail_v), rows))
+            self._seal_arrays = (pools, compiled)
+        else:
+            compiled = None
+        if compiled is not None:
+            if cpu_seal.seal_step((self.tail_k, self.tail_v), (k, v), plan.seal_slot, plan.seal_from, plan.seal_tok,
+                                  plan.seal_block, specs, *compiled):  # fmt: skip
                 return
             # a key or value is not finite, nothing was written: the path below names the place and raises
         b = self.format.block_size
@@ -496,7 +503,7 @@ class PagedLayer:
                 key is None
                 or held is None
                 or held[1] != key[1]
-                or (held[0] is not key[0] and not np.array_equal(held[0], key[0]))
+                or (held[0] is not key[0] and not _same_blocks(held[0], key[0]))
             ):
                 first = tables[:, 0].long()
                 torch.index_select(pools["sink_k"], 0, first, out=sink_k)
@@ -542,6 +549,14 @@ class PagedLayer:
             name = self._backend_of[key] = choose_backend(q, kv, self.window, kernel)
         return name
 
+    def _chunk_backend(self, q: torch.Tensor, kv: PagedKV, kernel: str) -> str | None:
+        """:func:`~kvpack.kernels.fused_chunk_backend` for this view (None: the reference), kept per view object as
+        :meth:`_decode_backend` keeps its choice."""
+        key = (id(kv), q.dtype, kernel, "chunk")
+        if key not in self._backend_of:
+            self._backend_of[key] = fused_chunk_backend(q, kv, self.window, kernel)
+        return self._backend_of[key]
+
     def attend(
         self,
         kv_cache: torch.Tensor,
@@ -583,7 +598,7 @@ class PagedLayer:
             starts = [int(plan.query_start[i]) for i in rows]
             q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
             kv = self.view(kv_cache, st, torch.tensor(rows, device=st.seq_lens.device))
-            name = fused_chunk_backend(q, kv, self.window, kernel)
+            name = self._chunk_backend(q, kv, kernel)
             if name is None:
                 res = paged_attention_reference(q, kv, sm_scale=sm_scale, window=self.window)
             else:
@@ -605,6 +620,18 @@ class PagedLayer:
                 return False
             out[f.dst] = decode_positions(q, kv, f.cut, sm_scale)[f.keep].to(out.dtype)
         return True
+
+
+_SAME: list = [None, None, False]  # _same_blocks' last comparison: (a, b, equal), the arrays kept alive with it
+
+
+def _same_blocks(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two steps' first block ids are equal. Every layer asks the same question of the same two arrays in a
+    step (its rows gathered at the last step, this step's), so the answer is kept for the next layer: a numpy
+    comparison costs tens of microseconds with the caches cold after a kernel pass."""
+    if _SAME[0] is not a or _SAME[1] is not b:
+        _SAME[:] = a, b, bool(a.shape == b.shape and (a == b).all())
+    return _SAME[2]
 
 
 class _Rows:
