@@ -54,6 +54,8 @@ def test_table_output(tmp_path, capsys):
     [
         (["--depths", "1.5"], "[0, 1]"),
         (["--formats", "int9"], "unknown format preset"),
+        (["--formats", "fp16,int4/int8[0-2"], "each part after a '/' is FORMAT[LAYERS]"),
+        (["--formats", "fp16,int4/int9[3]"], "unknown format preset 'int9'"),
         (["--lengths", "100k"], "do not fit the model's context"),
     ],
 )

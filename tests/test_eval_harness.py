@@ -1,6 +1,7 @@
 """The whole evaluation end to end on a tiny random model: determinism, a planted broken format, the report."""
 
 import json
+import re
 import warnings
 from dataclasses import replace
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kvpack.calibration.static import CalibrationDriftWarning
+from kvpack.errors import ConfigError, FormatError
 from kvpack.evaluation.report import summary_table, write_report
 from kvpack.evaluation.runner import Runner, wrap
 from kvpack.evaluation.suite import EvalConfig, run_eval
@@ -249,3 +251,54 @@ def test_drift_warnings_are_collected_not_printed(lm, tmp_path):
     assert not [w for w in caught if w.category is CalibrationDriftWarning]  # not once per cache on stderr
     drift = r["calibration"]["drift_warnings"]
     assert drift["count"] > 0 and "fell outside the calibrated range" in drift["first"][0], drift
+
+
+def test_a_plan_is_evaluated_as_its_layers_formats(lm):
+    """A per-layer plan in --formats: its bytes, bits and per-layer errors are those of each layer's own format, and
+    its KL lies between those of its formats (layer 0 wider than the rest)."""
+    plan = "kivi2/int8[0]"
+    cfg = small_config(formats=["fp16", "int8", "kivi2", plan], attribution=[plan], speculative_tokens=0)
+    r = run_eval(cfg, lm=lm)
+    n = r["model"]["layers"]
+    facts = r["formats"]
+    for key in ("bits_per_element", "bytes_per_token", "cache_bytes"):
+        want = (facts["int8"][key] + (n - 1) * facts["kivi2"][key]) / n  # each format's: over all layers
+        assert facts[plan][key] == pytest.approx(want, rel=1e-9), key
+    errs = r["attribution"]["layer_sensitivity"]["errors"]
+    assert errs[plan] == [errs["int8"][0], *errs["kivi2"][1:]]
+    kl = {name: r["fidelity"]["variants"][name]["kl_mean"] for name in ("int8", "kivi2", plan)}
+    assert kl["int8"] < kl[plan] < kl["kivi2"]
+    sides = r["attribution"]["fidelity"][plan]
+    assert set(sides) == {"both", "keys_only", "values_only"} and sides["both"] == kl[plan]
+    assert plan in r["verdicts"] and r["needles"]["summary"][plan]["total"] > 0
+    # a plan that is one format everywhere is that format
+    same = run_eval(small_config(formats=["fp16", "int8/int8[0]"], lengths=[192], **_ONLY_KL), lm=lm)
+    plain = run_eval(small_config(formats=["fp16", "int8"], lengths=[192], **_ONLY_KL), lm=lm)
+    assert same["fidelity"]["variants"]["int8/int8[0]"] == plain["fidelity"]["variants"]["int8"]
+
+
+_ONLY_KL = {"attribution": [], "sensitivity_tokens": 0, "speculative_tokens": 0}
+
+
+def test_a_plan_through_the_kvpack_engine_stores_what_its_formats_store(lm):
+    plan = "kivi2/int8[0]"
+    cfg = small_config(formats=["fp16", "int8", "kivi2", plan], lengths=[384], engine="kvpack", **_ONLY_KL)
+    real = run_eval(cfg, lm=lm)
+    sim = run_eval(replace(cfg, engine="simulate"), lm=lm)
+    a, b = (x["fidelity"]["variants"][plan]["kl_mean"] for x in (real, sim))
+    assert abs(a - b) <= 0.05 * b + 1e-5, (a, b)
+    used = {name: real["formats"][name]["measured_cache_bytes"] for name in ("int8", "kivi2", plan)}
+    n = real["model"]["layers"]
+    assert used[plan] == pytest.approx((used["int8"] + (n - 1) * used["kivi2"]) / n, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "plan, error, message",
+    [
+        ("int4/int8[5]", FormatError, "names layer(s) [5] but the model has 2 layers"),
+        ("int4/int8@static[0]", ConfigError, "take calibrated scales"),
+    ],
+)
+def test_a_plan_the_model_cannot_take_is_refused_before_the_sweep(lm, plan, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        run_eval(small_config(formats=["fp16", plan]), lm=lm)

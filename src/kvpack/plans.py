@@ -8,9 +8,9 @@ by ``/FORMAT[LAYERS]`` overrides, layers 0-based, ranges inclusive::
     k4v2/int4[1-3]/int8[0]        k4v2, int4 in layers 1-3, int8 in layer 0
     int4/k=int8:channel,v=int4:g32:asym[0]   any format string works in an override
 
-``cache_for`` (a layered cache: :class:`kvpack.cache.LayeredKVCache`), ``kvpack size`` and the vLLM backend
-(formats sharing the base's block size and sink) take a plan string; ``kvpack eval --plan KL_BUDGET`` proposes
-one; ``kvpack eval --formats`` does not take plans yet. A plain format is a plan with no overrides.
+``cache_for`` (a layered cache: :class:`kvpack.cache.LayeredKVCache`), ``kvpack size``, ``kvpack eval --formats``
+and the vLLM backend (formats sharing the base's block size and sink) take a plan string; ``kvpack eval --plan
+KL_BUDGET`` proposes one. A plain format is a plan with no overrides.
 """
 
 from __future__ import annotations

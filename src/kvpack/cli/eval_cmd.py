@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from kvpack.cli.args import count, fmt, int_in, out_dir, real_in
-from kvpack.errors import ConfigError
+from kvpack.errors import ConfigError, KVPackError
 
 DEFAULT_OUT = "kvpack-report"
 
@@ -44,7 +44,20 @@ def _names(text: str) -> list[str]:
 
 
 def _formats(text: str) -> list[str]:
-    return [fmt(f) for f in _names(text)]
+    """Formats, or per-layer plans (``int4/int8[0,5-6]``, what ``--plan`` proposes), each checked."""
+    from kvpack.plans import is_plan, parse_plan
+
+    out = []
+    for f in _names(text):
+        if not is_plan(f):
+            out.append(fmt(f))
+            continue
+        try:
+            parse_plan(f)
+        except KVPackError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        out.append(f)
+    return out
 
 
 def _budget(text: str) -> float:
@@ -79,7 +92,8 @@ def add_parser(subparsers: Any) -> None:
         "--formats",
         type=_formats,
         default=None,
-        help="comma-separated formats; fields stay with their format (int4,sink=1,int8), or separate with ';'",
+        help="comma-separated formats; fields stay with their format (int4,sink=1,int8), or separate with ';'; a "
+        "per-layer plan (int4/int8[7,9-11], what --plan proposes) is evaluated like a format",
     )
     p.add_argument(
         "--lengths",

@@ -12,27 +12,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvpack.errors import ConfigError
 from kvpack.formats import DType, KVFormat, QuantSpec
+from kvpack.plans import LayerPlan, layer_formats
 
 __all__ = ["attention_modules", "keys_only", "layer_sensitivity", "values_only"]
 
 _FP16 = QuantSpec(DType.FP16)
 
 
-def keys_only(fmt: KVFormat) -> KVFormat:
-    """``fmt``'s key spec with fp16 values (values untouched but for the fp16 rounding)."""
+def keys_only(fmt: KVFormat | LayerPlan) -> KVFormat | LayerPlan:
+    """``fmt``'s key spec with fp16 values (values untouched but for the fp16 rounding); a plan's, layer by layer."""
+    if isinstance(fmt, LayerPlan):
+        return _each(fmt, keys_only)
     return KVFormat(fmt.key, _FP16, fmt.block_size, name=f"{fmt.name} keys only", sink=_sink(fmt.key, fmt))
 
 
-def values_only(fmt: KVFormat) -> KVFormat:
-    """fp16 keys with ``fmt``'s value spec."""
+def values_only(fmt: KVFormat | LayerPlan) -> KVFormat | LayerPlan:
+    """fp16 keys with ``fmt``'s value spec; a plan's, layer by layer."""
+    if isinstance(fmt, LayerPlan):
+        return _each(fmt, values_only)
     return KVFormat(_FP16, fmt.value, fmt.block_size, name=f"{fmt.name} values only", sink=_sink(fmt.value, fmt))
+
+
+def _each(plan: LayerPlan, side: Callable[[KVFormat], Any]) -> LayerPlan:
+    """``plan`` with ``side`` applied to each of its formats (the same layers)."""
+    return LayerPlan(side(plan.base), tuple((side(f), layers) for f, layers in plan.overrides))
 
 
 def _sink(kept: QuantSpec, fmt: KVFormat) -> int:
@@ -54,14 +64,14 @@ def attention_modules(model: Any) -> list[Any]:
 
 @torch.inference_mode()
 def layer_sensitivity(
-    runner: Any, ids: Sequence[int], formats: dict[str, KVFormat], skip_first_block: bool = True
+    runner: Any, ids: Sequence[int], formats: dict[str, KVFormat | LayerPlan], skip_first_block: bool = True
 ) -> dict[str, list[float]]:
     """Relative attention-output error of every layer alone under each format.
 
     Args:
         runner: a :class:`kvpack.evaluation.runner.Runner`.
         ids: the text (one chunk; a few hundred tokens is plenty).
-        formats: name -> format.
+        formats: name -> format, or per-layer plan (each layer alone in its own format of the plan).
         skip_first_block: leave out positions of the first block (they only see the full-precision tail).
 
     Returns:
@@ -85,22 +95,24 @@ def layer_sensitivity(
             h.remove()
     if len(records) != len(mods):
         raise ConfigError(f"recorded {len(records)} of {len(mods)} attention layers; is the model a plain decoder?")
-    start = min(len(ids) - 1, max(fmt.block_size for fmt in formats.values())) if skip_first_block else 0
+    per_layer = {name: layer_formats(fmt, lm.num_layers) for name, fmt in formats.items()}
+    widest = max(f.block_size for fmts in per_layer.values() for f in fmts)
+    start = min(len(ids) - 1, widest) if skip_first_block else 0
     out: dict[str, list[float]] = {}
     runner._use_attention(lm.attn_implementation)
-    for name, fmt in formats.items():
+    for name, fmts in per_layer.items():
         errs = []
         for m in mods:
             args, kwargs, ref = records[m.layer_idx]
-            layer_formats: list[KVFormat | None] = [None] * lm.num_layers
-            layer_formats[m.layer_idx] = fmt
+            alone: list[KVFormat | None] = [None] * lm.num_layers
+            alone[m.layer_idx] = fmts[m.layer_idx]
             kw = dict(kwargs)
             key = cache_kwarg(m)
             if key not in kw:
                 raise ConfigError(
                     f"layer {m.layer_idx}'s attention module got its cache positionally; cannot replay it"
                 )
-            kw[key] = runner.cache(None, len(ids), layer_formats=layer_formats)  # simulate engine, calibrated
+            kw[key] = runner.cache(None, len(ids), layer_formats=alone)  # simulate engine, calibrated
             got = m(*args, **kw)[0]
             r, g = ref[:, start:].double(), got[:, start:].double()
             errs.append(float((g - r).norm() / r.norm().clamp_min(1e-30)))

@@ -38,7 +38,9 @@ from kvpack.evaluation.scoring import could_still_match, exact_match, normalize
 from kvpack.evaluation.speculative import assisted_greedy
 from kvpack.evaluation.verdict import compare_needles, verdict
 from kvpack.formats import KVFormat, parse_format
-from kvpack.plans import LayerPlan
+from kvpack.plans import LayerPlan, is_plan, layer_formats, parse_plan
+
+Format = KVFormat | LayerPlan  # what --formats names: a format, or a per-layer plan
 
 __all__ = [
     "DEFAULT_FORMATS",
@@ -83,7 +85,7 @@ def _needles(
     runner: Runner,
     cfg: EvalConfig,
     corpus: Corpus,
-    formats: dict[str, KVFormat],
+    formats: dict[str, Format],
     progress: Progress,
     measured: dict[str, int],
 ) -> list[dict[str, Any]]:
@@ -140,7 +142,7 @@ def _needles(
 
 
 def _fidelity(
-    runner: Runner, cfg: EvalConfig, corpus: Corpus, variants: dict[str, KVFormat], progress: Progress
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, variants: dict[str, Format], progress: Progress
 ) -> tuple[dict[str, Any], int]:
     ids = corpus.passage(cfg.fidelity_tokens, seed=cfg.seed * 1_000_003 + 7)
     n_chunks = -(-len(ids) // cfg.fidelity_chunk)
@@ -184,7 +186,7 @@ def _plan(runner: Runner, cfg: EvalConfig, corpus: Corpus, progress: Progress) -
 
 
 def _speculative(
-    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, KVFormat], progress: Progress
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, Format], progress: Progress
 ) -> dict[str, dict[str, Any]]:
     """Assisted greedy generation after several prompts (a document and a request to summarise it).
 
@@ -255,22 +257,52 @@ def _environment(source: TextSource) -> dict[str, str]:
     return env
 
 
-def _format_facts(formats: dict[str, KVFormat], lm: LoadedModel, lengths: Sequence[int]) -> dict[str, Any]:
+def _format_facts(formats: dict[str, Format], lm: LoadedModel, lengths: Sequence[int]) -> dict[str, Any]:
+    """Bits, bytes per token and the bytes of a ``max(lengths)``-token sequence of each format (a plan: each layer
+    in its own format, bits averaged over the layers)."""
     fp16 = parse_format("fp16")
     n = max(lengths) if lengths else 4096
     kw = {"kv_heads": lm.kv_heads, "head_dim": lm.head_dim}
     out = {}
     for name, fmt in formats.items():
-        b = fmt.bytes_for_tokens(n, layers=lm.num_layers, **kw)
+        per_layer = layer_formats(fmt, lm.num_layers)
+        b = sum(f.bytes_for_tokens(n, **kw) for f in per_layer)
         out[name] = {
             "spec": fmt.spec_string(),
-            "bits_per_element": fmt.bits_per_element(**kw),
-            "bytes_per_token": fmt.bytes_per_token(layers=lm.num_layers, **kw),
+            "bits_per_element": sum(f.bits_per_element(**kw) for f in per_layer) / len(per_layer),
+            "bytes_per_token": sum(f.bytes_per_token(**kw) for f in per_layer),
             "tokens": n,
             "cache_bytes": b,
             "ratio_vs_fp16": b / fp16.bytes_for_tokens(n, layers=lm.num_layers, **kw),
         }
     return out
+
+
+def _parse(name: str, num_layers: int, head_dim: int) -> Format:
+    """A ``--formats`` entry: a format, or a per-layer plan (a plan without overrides is its format), checked
+    against the model.
+
+    Raises:
+        FormatError: it does not parse, a format cannot store ``head_dim``, or the plan names a layer the model
+            does not have.
+        ConfigError: a plan with calibrated (``static``) formats.
+    """
+    if not is_plan(name):
+        fmt = parse_format(name)
+        fmt.check(head_dim)
+        return fmt
+    plan = parse_plan(name)
+    plan.check(head_dim)
+    plan.formats(num_layers)  # its layers exist
+    if plan.is_uniform:
+        return plan.base
+    static = [f.name for f in plan.distinct_formats if f.is_static]
+    if static:
+        raise ConfigError(
+            f"plan {name!r}: its formats {static} take calibrated scales, which kvpack eval applies to single formats "
+            "only; evaluate the static format alone (--formats with --calibration), or plan with dynamic formats"
+        )
+    return plan
 
 
 def run_eval(
@@ -313,7 +345,7 @@ def run_eval(
     return results
 
 
-def _attribution_names(cfg: EvalConfig, formats: dict[str, KVFormat]) -> list[str]:
+def _attribution_names(cfg: EvalConfig, formats: dict[str, Format]) -> list[str]:
     names = [n for n in formats if n != cfg.baseline]
     return names if cfg.attribution is None else [n for n in cfg.attribution if n in names]
 
@@ -363,10 +395,8 @@ def _run_eval(
     timings["load"] = time.perf_counter() - t0
     requested = list(cfg.lengths)
     cfg = replace(cfg, lengths=resolve_lengths(cfg.lengths, lm.max_context))
-    formats = {name: parse_format(name) for name in cfg.formats}
-    for fmt in formats.values():
-        fmt.check(lm.head_dim)
-    static = [name for name, fmt in formats.items() if fmt.is_static]
+    formats = {name: _parse(name, lm.num_layers, lm.head_dim) for name in cfg.formats}
+    static = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.is_static]
     artifact = None
     if cfg.calibration is not None:
         from kvpack.calibration import load_artifact
@@ -409,7 +439,11 @@ def _run_eval(
         results["calibration"] = {
             "path": str(cfg.calibration),
             "made_for": artifact.format.name,
-            "source_per_format": {n: runner.scales_for(f).key.source for n, f in formats.items() if f.key.static},
+            "source_per_format": {
+                n: runner.scales_for(f).key.source
+                for n, f in formats.items()
+                if isinstance(f, KVFormat) and f.key.static
+            },
             "data": {k: v for k, v in artifact.data.items() if k != "offsets"},
             "kvpack_version": artifact.kvpack_version,
         }
@@ -508,8 +542,12 @@ def _run_eval(
     return results
 
 
+def _passthrough(fmt: Format) -> bool:
+    return isinstance(fmt, KVFormat) and fmt.is_passthrough
+
+
 def _estimate(
-    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, KVFormat], notify: Callable[[str], None]
+    runner: Runner, cfg: EvalConfig, corpus: Corpus, formats: dict[str, Format], notify: Callable[[str], None]
 ) -> dict[str, Any]:
     """Probe this machine's speed, tell ``notify`` how long the sweep will take, return it for ``results``."""
     from kvpack.evaluation.estimate import estimate, probe
@@ -525,7 +563,7 @@ def _estimate(
         ids,
         fmt,
         document=lambda n: corpus.haystack(n, seed=cfg.seed * 1_000_003 + 19),
-        sensitivity=lambda ids: layer_sensitivity(runner, ids, {fmt.name: fmt}) if not fmt.is_passthrough else None,
+        sensitivity=lambda ids: None if _passthrough(fmt) else layer_sensitivity(runner, ids, {fmt.name: fmt}),
     )
     variants = len(formats) + 2 * len(_attribution_names(cfg, formats)) if cfg.fidelity_tokens else 0
     est = estimate(cfg, p, len(formats), variants, runner.lm.num_layers)
