@@ -472,3 +472,37 @@ def test_non_contiguous_tensors_are_read_afresh_every_call() -> None:
     got2, expected2 = _run(strided, q)
     assert not torch.allclose(expected, expected2)
     assert_close(got2, expected2, *_tol(kv), "strided tail, changed")
+
+
+_NESTING_CHILD = """
+import ctypes, torch
+torch.set_num_threads(2)
+rt = ctypes.CDLL(None)
+before = rt.omp_get_nested()
+from kvpack.kernels import cpu_decode, decode_attention
+from kvpack.formats import PRESETS
+from kvpack.testing import random_paged_kv
+kv, _, _ = random_paged_kv(PRESETS["int8"].with_block_size(16), [70, 41, 90], kv_heads=2, head_dim=64, seed=1)
+decode_attention(torch.randn(3, 4, 64), kv)  # numba's pool started, a parallel launch run
+import numba
+print(before, rt.omp_get_nested(), numba.threading_layer(), torch.get_num_threads())
+"""
+
+
+def test_numbas_thread_pool_leaves_torchs_openmp_settings_as_they_were() -> None:
+    """numba's omp layer shares torch's OpenMP runtime and turns nested parallelism on when its pool starts; left on,
+    torch's parallel operations open a team in each thread (a causal SDPA over 2k tokens 6x slower on 2 threads).
+    In a fresh process (the pool starts once per process): the setting and torch's thread count are as before."""
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        ctypes.CDLL(None).omp_get_nested  # noqa: B018
+    except AttributeError:
+        pytest.skip("no OpenMP runtime in the process's global symbols (torch built with another one)")
+    res = subprocess.run([sys.executable, "-c", _NESTING_CHILD], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    before, after, layer, threads = res.stdout.split()
+    assert after == before == "0", (before, after, layer)
+    assert threads == "2"

@@ -144,8 +144,7 @@ def probe(
             best = min(best, time.perf_counter() - t)
         return best
 
-    # full-precision work first: right after the CPU kernels' parallel loops, numba's OpenMP workers can slow
-    # torch's own steps for a while, by an amount that varies from run to run
+    # full-precision work first, before any kvpack kernel has run in this probe
     draft_step_s = steps(runner.filled(pre, None, room))
     text_s = _timed(lambda: document(n), 1) / n if document is not None else 0.0
     sens_s = 0.0

@@ -19,6 +19,7 @@ batch axis the same way.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -100,11 +101,18 @@ def passive_pool() -> None:
     are within noise, 1.08-1.14x). Only numba's pool reads the
     setting here: torch's OpenMP runtime read its environment when torch was loaded. Runs once.
 
-    The launch would also change torch's thread count: numba's ``omp`` layer shares torch's OpenMP runtime
-    and sets its count to ``NUMBA_NUM_THREADS`` (all cores), which torch then reads once it has run a parallel
-    region (``torch.set_num_threads(1)``, a model forward, the first kernel call: 2 threads on the 2-core VM,
-    so ``kvpack bench generate --threads 1`` ran every row after the first kvpack one on two). The count is
-    put back, with torch's own setter (vLLM's CPU worker disables ``torch.set_num_threads``)."""
+    The launch would also change two settings of torch's OpenMP runtime, which numba's ``omp`` layer shares (it
+    resolves its OpenMP calls in the process's global symbols, where torch put its own runtime): both are put back.
+
+    - The thread count: numba sets it to ``NUMBA_NUM_THREADS`` (all cores), which torch then reads once it has run
+      a parallel region (``torch.set_num_threads(1)``, a model forward, the first kernel call: 2 threads on the
+      2-core VM, so ``kvpack bench generate --threads 1`` ran every row after the first kvpack one on two). Put
+      back with torch's own setter (vLLM's CPU worker disables ``torch.set_num_threads``).
+    - Nested parallelism: numba turns it on (``omp_set_nested(1)``), and torch's parallel loops then open a team in
+      each thread wherever they call another parallel operation, more threads than cores: a causal SDPA over 2k
+      tokens took 6x as long on 2 threads (0.19 s against 0.03 s), so ``kvpack eval``'s full-precision prefills
+      of 4k-token documents took 22 s instead of 7 s once any kvpack kernel had run. Our kernels' launches
+      are not nested, so they run the same without it (:func:`_restore_nesting`)."""
     if _POOL:
         return
     _POOL.append(True)
@@ -113,6 +121,7 @@ def passive_pool() -> None:
     except ImportError:
         return
     threads = torch.get_num_threads()
+    nesting = _omp_nesting()
     passive = "OMP_WAIT_POLICY" not in os.environ
     if passive:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -123,10 +132,35 @@ def passive_pool() -> None:
     finally:
         if passive:
             del os.environ["OMP_WAIT_POLICY"]
+        _restore_nesting(nesting)
         # torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it has bound
         # its threads, and through it the count stayed at numba's (a tensor-parallel engine of 3 workers on 2 cores,
         # each at 2 threads after its first kvpack kernel: 5x slower than with numba's pool at 1)
         torch._C.set_num_threads(threads)
+
+
+def _omp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime the process's global symbols name (torch's, which numba's ``omp`` layer binds to), or
+    None when there is none to reach this way."""
+    try:
+        lib = ctypes.CDLL(None)
+        lib.omp_get_nested, lib.omp_set_nested  # noqa: B018 - present or AttributeError
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def _omp_nesting() -> int | None:
+    """Whether the runtime of :func:`_omp_runtime` allows nested parallel regions now (None: no runtime)."""
+    lib = _omp_runtime()
+    return None if lib is None else int(lib.omp_get_nested())
+
+
+def _restore_nesting(nesting: int | None) -> None:
+    """Put the runtime's nested-parallelism setting back to ``nesting`` (:func:`_omp_nesting`'s; None: nothing)."""
+    lib = _omp_runtime()
+    if nesting is not None and lib is not None:
+        lib.omp_set_nested(nesting)
 
 
 def _numba_missing() -> str | None:
