@@ -440,7 +440,7 @@ def test_a_bad_view_is_refused_on_every_call_and_its_state_goes_with_it() -> Non
     assert len(cpu_decode._states) == before  # dropped with its view: no pools kept alive
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_the_query_as_float32_is_torchs_widening_for_strided_views(dtype: torch.dtype) -> None:
     """The kernel's query comes from numpy (no torch call after a kernel pass): bit for bit torch's widening, for a
     view strided as vLLM hands it over (the query heads of a fused qkv row), specials included."""

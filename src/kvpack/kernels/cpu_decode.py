@@ -598,13 +598,15 @@ def decode_attention(
 
 
 def query_f32(q: torch.Tensor) -> np.ndarray:
-    """``q`` (any shape; float32, float16 or bfloat16, strided views allowed) as a C-contiguous float32 numpy array
+    """``q`` (any shape and float dtype, strided views allowed) as a C-contiguous float32 numpy array
     (``q``'s own memory when it is a contiguous float32 tensor). Converted in numpy, not torch: right after a kernel
     pass has streamed the history through the caches, a torch call costs tens of microseconds (a strided query's
     ``.float().contiguous()`` took ~50 us there), a numpy one a few."""
     if q.dtype is torch.float32:
         a = q.detach().numpy()
         return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return q.detach().float().contiguous().numpy()
     bits = q.detach().view(torch.int16).numpy().view(np.uint16)
     if q.dtype is torch.bfloat16:  # bfloat16 is the top half of a float32
         return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
