@@ -56,6 +56,7 @@ def test_table_output(tmp_path, capsys):
         (["--formats", "int9"], "unknown format preset"),
         (["--formats", "fp16,int4/int8[0-2"], "each part after a '/' is FORMAT[LAYERS]"),
         (["--formats", "fp16,int4/int9[3]"], "unknown format preset 'int9'"),
+        (["--plan", "0.01", "--plan-formats", "int4,int4/int8[0]"], "'int4/int8[0]' is a plan (give it to --formats"),
         (["--lengths", "100k"], "do not fit the model's context"),
     ],
 )

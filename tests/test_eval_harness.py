@@ -14,6 +14,7 @@ from kvpack.evaluation.report import summary_table, write_report
 from kvpack.evaluation.runner import Runner, wrap
 from kvpack.evaluation.suite import EvalConfig, run_eval
 from kvpack.evaluation.tiny import tiny_model
+from kvpack.plans import parse_plan
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -302,3 +303,21 @@ def test_a_plan_through_the_kvpack_engine_stores_what_its_formats_store(lm):
 def test_a_plan_the_model_cannot_take_is_refused_before_the_sweep(lm, plan, error, message):
     with pytest.raises(error, match=re.escape(message)):
         run_eval(small_config(formats=["fp16", plan]), lm=lm)
+
+
+def test_the_plan_search_end_to_end_proposes_a_plan_that_measures_as_it_said(lm):
+    """--plan through the whole run (three rungs): the chosen plan is the fewest-bits probe within the budget, its
+    string parses, and evaluated as a format on the same text it measures the KL the search recorded."""
+    ladder = ["kivi2", "int4", "int8"]
+    budget = 0.25  # this seeded model: kivi2 everywhere 1.5, int4 everywhere 0.13, int8 6e-4
+    r = run_eval(small_config(formats=["fp16"], lengths=[192], plan_budget=budget, plan_formats=ladder,
+                              plan_tokens=384, **_ONLY_KL), lm=lm)  # fmt: skip
+    chosen, probes = r["plan"]["chosen"], r["plan"]["probes"]
+    assert [p["plan"] for p in probes[:2]] == ["int8", "kivi2"]  # the widest and the narrowest first
+    assert chosen is not None and chosen["kl_mean"] <= budget
+    assert all(p["kl_mean"] > budget for p in probes if p["bits"] < chosen["bits"])
+    plan = chosen["plan"]
+    assert not parse_plan(plan).is_uniform and 2.75 < chosen["bits"] < 4.75  # kivi2 with a layer in int4
+    again = run_eval(small_config(formats=["fp16", plan], lengths=[192], fidelity_tokens=384, **_ONLY_KL), lm=lm)
+    assert again["fidelity"]["variants"][plan]["kl_mean"] == pytest.approx(chosen["kl_mean"], rel=1e-6)
+    assert again["formats"][plan]["bits_per_element"] == pytest.approx(chosen["bits"])

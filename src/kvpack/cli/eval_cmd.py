@@ -60,6 +60,19 @@ def _formats(text: str) -> list[str]:
     return out
 
 
+def _ladder(text: str) -> list[str]:
+    """The formats a plan chooses between: formats, not plans."""
+    from kvpack.plans import is_plan
+
+    plans = [f for f in _names(text) if is_plan(f)]
+    if plans:
+        raise argparse.ArgumentTypeError(
+            f"the plan search chooses between formats and builds the plans itself; {plans[0]!r} is a plan "
+            "(give it to --formats to evaluate it)"
+        )
+    return [fmt(f) for f in _names(text)]
+
+
 def _budget(text: str) -> float:
     try:
         v = float(text)
@@ -152,9 +165,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--plan-formats",
-        type=_formats,
+        type=_ladder,
         default=None,
-        help="the formats a plan chooses between, per layer (default int4,int8)",
+        help="the formats a plan chooses between, per layer (default int4,k8v4,int8)",
     )
     p.add_argument("--threads", type=int_in(1, 4096), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

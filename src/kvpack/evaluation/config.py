@@ -82,7 +82,7 @@ class EvalConfig:
     backend: str = "auto"
     calibration: str | None = None
     plan_budget: float | None = None
-    plan_formats: list[str] = field(default_factory=lambda: ["int4", "int8"])
+    plan_formats: list[str] = field(default_factory=lambda: ["int4", "k8v4", "int8"])
     plan_tokens: int = 1024
     text: list[str] | None = None
 
