@@ -145,7 +145,7 @@ def _omp_runtime() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(None)
         lib.omp_get_nested, lib.omp_set_nested  # noqa: B018 - present or AttributeError
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: no handle for the process itself (Windows)
         return None
     return lib
 
