@@ -64,13 +64,14 @@ def _ladder(text: str) -> list[str]:
     """The formats a plan chooses between: formats, not plans."""
     from kvpack.plans import is_plan
 
-    plans = [f for f in _names(text) if is_plan(f)]
+    names = _names(text)
+    plans = [f for f in names if is_plan(f)]
     if plans:
         raise argparse.ArgumentTypeError(
             f"the plan search chooses between formats and builds the plans itself; {plans[0]!r} is a plan "
             "(give it to --formats to evaluate it)"
         )
-    return [fmt(f) for f in _names(text)]
+    return [fmt(f) for f in names]
 
 
 def _budget(text: str) -> float:

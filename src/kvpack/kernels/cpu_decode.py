@@ -112,7 +112,7 @@ def passive_pool() -> None:
       each thread wherever they call another parallel operation, more threads than cores: a causal SDPA over 2k
       tokens took 6x as long on 2 threads (0.19 s against 0.03 s), so ``kvpack eval``'s full-precision prefills
       of 4k-token documents took 22 s instead of 7 s once any kvpack kernel had run. Our kernels' launches
-      are not nested, so they run the same without it (:func:`_restore_nesting`)."""
+      are not nested, so they run the same without it."""
     if _POOL:
         return
     _POOL.append(True)
@@ -121,7 +121,8 @@ def passive_pool() -> None:
     except ImportError:
         return
     threads = torch.get_num_threads()
-    nesting = _omp_nesting()
+    runtime = _omp_runtime()
+    nesting = None if runtime is None else runtime.omp_get_nested()
     passive = "OMP_WAIT_POLICY" not in os.environ
     if passive:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -132,7 +133,8 @@ def passive_pool() -> None:
     finally:
         if passive:
             del os.environ["OMP_WAIT_POLICY"]
-        _restore_nesting(nesting)
+        if runtime is not None:
+            runtime.omp_set_nested(nesting)
         # torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it has bound
         # its threads, and through it the count stayed at numba's (a tensor-parallel engine of 3 workers on 2 cores,
         # each at 2 threads after its first kvpack kernel: 5x slower than with numba's pool at 1)
@@ -148,19 +150,6 @@ def _omp_runtime() -> ctypes.CDLL | None:
     except (OSError, AttributeError, TypeError):  # TypeError: no handle for the process itself (Windows)
         return None
     return lib
-
-
-def _omp_nesting() -> int | None:
-    """Whether the runtime of :func:`_omp_runtime` allows nested parallel regions now (None: no runtime)."""
-    lib = _omp_runtime()
-    return None if lib is None else int(lib.omp_get_nested())
-
-
-def _restore_nesting(nesting: int | None) -> None:
-    """Put the runtime's nested-parallelism setting back to ``nesting`` (:func:`_omp_nesting`'s; None: nothing)."""
-    lib = _omp_runtime()
-    if nesting is not None and lib is not None:
-        lib.omp_set_nested(nesting)
 
 
 def _numba_missing() -> str | None:

@@ -317,7 +317,7 @@ class PagedLayer:
         self._sink_writes = 0  # sink writes into this layer's pages so far: the gathered rows are stale past one
         self._views: dict[tuple[int, int, bool], PagedKV] = {}  # (rows, table width, all rows?) -> its view
         self._tail_slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # (id of a view in self._views, q dtype, kernel[, "chunk"]) -> its decode (chunk) backend (None: reference)
+        # (id of a view in self._views, q dtype, kernel, chunk?) -> its decode (chunk) backend (None: reference)
         self._backend_of: dict[tuple, str | None] = {}
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -540,21 +540,14 @@ class PagedLayer:
             hit = self._tail_slices[r] = (self.tail_k[:r], self.tail_v[:r])
         return hit
 
-    def _decode_backend(self, q: torch.Tensor, kv: PagedKV, kernel: str) -> str:
-        """The decode backend :func:`~kvpack.kernels.choose_backend` picks for this view (kept per view object:
-        the views live across steps and the choice depends on their structure and the query's dtype alone)."""
-        key = (id(kv), q.dtype, kernel)
-        name = self._backend_of.get(key)
-        if name is None:
-            name = self._backend_of[key] = choose_backend(q, kv, self.window, kernel)
-        return name
-
-    def _chunk_backend(self, q: torch.Tensor, kv: PagedKV, kernel: str) -> str | None:
-        """:func:`~kvpack.kernels.fused_chunk_backend` for this view (None: the reference), kept per view object as
-        :meth:`_decode_backend` keeps its choice."""
-        key = (id(kv), q.dtype, kernel, "chunk")
+    def _decode_backend(self, q: torch.Tensor, kv: PagedKV, kernel: str, chunk: bool = False) -> str | None:
+        """The decode backend :func:`~kvpack.kernels.choose_backend` picks for this view, or with ``chunk`` the chunk
+        backend :func:`~kvpack.kernels.fused_chunk_backend` gives (None: the reference). Kept per view object: the
+        views live across steps and the choice depends on their structure and the query's dtype alone."""
+        key = (id(kv), q.dtype, kernel, chunk)
         if key not in self._backend_of:
-            self._backend_of[key] = fused_chunk_backend(q, kv, self.window, kernel)
+            choose = fused_chunk_backend if chunk else choose_backend
+            self._backend_of[key] = choose(q, kv, self.window, kernel)
         return self._backend_of[key]
 
     def attend(
@@ -598,7 +591,7 @@ class PagedLayer:
             starts = [int(plan.query_start[i]) for i in rows]
             q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
             kv = self.view(kv_cache, st, torch.tensor(rows, device=st.seq_lens.device))
-            name = self._chunk_backend(q, kv, kernel)
+            name = self._decode_backend(q, kv, kernel, chunk=True)
             if name is None:
                 res = paged_attention_reference(q, kv, sm_scale=sm_scale, window=self.window)
             else:
