@@ -572,10 +572,11 @@ def _kdot_tile(x, base, rs, nt, qf, out, t, mx):
 
     x: a flat float32 array holding the rows ``rs`` elements apart: the decoded tile (``buf`` ``[TILE, D]``
     flattened, ``base`` 0, ``rs`` D) or float32 rows read in place from their pool; qf: ``[G4, D]`` (rows past
-    G are padding); out: ``[G, *]``. Rows go four and heads four at a time, so each element feeds 16
-    independent accumulators.
+    G are padding); out: ``[G, *]`` or more rows (the rows past ``G`` are left as they are); mx: ``[G]``, whose
+    length is the number of heads. Rows go four and heads four at a time, so each element feeds 16 independent
+    accumulators.
     """
-    g_n = out.shape[0]
+    g_n = mx.shape[0]  # not out.shape[0]: out may be the [G4, B] scores scratch, and mx has G rows
     d = U64(qf.shape[1])
     for r0 in range(0, nt, 4):
         _kdot4(x, base + U64(r0) * rs, rs, nt - r0, qf, out, t + r0, mx, g_n, d)
