@@ -5,9 +5,10 @@ head's group where the loop ran over the group rounded up to 4, say) writes into
 result shows it. Here a child process compiles the decode, chunk and seal kernels again with
 ``NUMBA_BOUNDSCHECK=1`` into its own numba cache folder (``.numba-boundscheck/`` in the repository, git-ignored:
 the first run compiles for about 3 minutes, later runs load it) and runs them over formats and shapes that reach
-their paths: groups of 1, 3 and 6 query heads (not multiples of 4), one and three kv heads, tails, sink rows,
-outlier channels, a window, several sealed blocks in a run, draft positions cut inside the tail, seals of whole
-blocks. An index out of bounds raises ``IndexError`` there; the child names each case that raised one.
+their paths: groups of 1, 3, 4 and 6 query heads, one to three kv heads, tails, sink rows, outlier channels, a
+window, several sealed blocks in a run, draft positions cut inside the tail, the integer and the float paths,
+pools strided as vLLM's pages are, seals of whole blocks and of a vLLM step. An index out of bounds raises
+``IndexError`` there; the child names each case that raised one.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ _CACHE = Path(__file__).resolve().parents[1] / ".numba-boundscheck"
 
 _CHILD = r"""
 import itertools
+import sys
 import numpy as np
 import torch
 from kvpack.formats import PRESETS
-from kvpack.kernels import chunk_attention, cpu_seal, decode_attention, decode_positions
+from kvpack.kernels import chunk_attention, cpu_decode, cpu_seal, decode_attention, decode_positions
 from kvpack.quant import quantize
 from kvpack.testing import random_paged_kv
+
+sys.path.insert(0, TESTS)
+from test_kernel_cpu_strided import _strided  # vLLM's layout: pools strided along their blocks, tails too
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -52,14 +57,19 @@ for (name, sink), (h, group), lens in itertools.product(
 ):
     fmt = PRESETS[name].with_block_size(32).with_sink(sink)
     kv, _, _ = random_paged_kv(fmt, lens, kv_heads=h, head_dim=64, seed=h * group, sink=sink)
+    strided, _ = _strided(kv)
     hq, b = h * group, len(lens)
-    what = f"{name} sink={sink} kv_heads={h} group={group} lens={lens}"
-    attempt(f"decode {what}", lambda: decode_attention(torch.randn(b, hq, 64), kv, backend="cpu"))
-    attempt(f"decode window {what}", lambda: decode_attention(torch.randn(b, hq, 64), kv, window=40, backend="cpu"))
+    cut = torch.tensor([[min(2, n % 32, n - 1), 0] for n in lens], dtype=torch.int32)
+    for int_dot in (True, False):  # the integer path where the layout allows it, and the float path
+        cpu_decode.INT_DOT = int_dot
+        what = f"{name} sink={sink} kv_heads={h} group={group} lens={lens} int_dot={int_dot}"
+        attempt(f"decode {what}", lambda: decode_attention(torch.randn(b, hq, 64), kv, backend="cpu"))
+        attempt(f"decode strided {what}", lambda: decode_attention(torch.randn(b, hq, 64), strided, backend="cpu"))
+        attempt(f"decode window {what}", lambda: decode_attention(torch.randn(b, hq, 64), kv, window=40, backend="cpu"))
+        attempt(f"positions {what}", lambda: decode_positions(torch.randn(b, 2, hq, 64), kv, cut))
     t = min(lens)
     attempt(f"chunk {what}", lambda: chunk_attention(torch.randn(b, t, hq, 64), kv, backend="cpu"))
-    cut = torch.tensor([[min(2, n % 32, n - 1), 0] for n in lens], dtype=torch.int32)
-    attempt(f"positions {what}", lambda: decode_positions(torch.randn(b, 2, hq, 64), kv, cut))
+    attempt(f"chunk strided {what}", lambda: chunk_attention(torch.randn(b, t, hq, 64), strided, backend="cpu"))
 
 
 def page_rows(spec):  # 8 pages' (data, scale, zero) byte rows of [3 kv heads, 64, 64] blocks (zero None: symmetric)
@@ -90,9 +100,10 @@ for line in failed:
 
 def test_cpu_kernels_index_inside_their_arrays() -> None:
     env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(_CACHE)}
-    res = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=1500)
+    child = f"TESTS = {str(Path(__file__).parent)!r}\n" + _CHILD
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=1500)
     assert res.returncode == 0, res.stderr[-3000:]
     failed = [line for line in res.stdout.splitlines() if line.startswith("FAILED")]
     assert not failed, "\n".join(failed[:20])
     cases = int(res.stdout.split("cases ")[1].split()[0])
-    assert cases == 15 * 5 * 2 * 4 + 4 * 4  # (format, sink) x (kv heads, group) x lengths x calls; seals
+    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 4 * 4  # (format, sink) x (kv heads, group) x lengths x calls; seals
