@@ -5,10 +5,11 @@ head's group where the loop ran over the group rounded up to 4, say) writes into
 result shows it. Here a child process compiles the decode, chunk and seal kernels again with
 ``NUMBA_BOUNDSCHECK=1`` into its own numba cache folder (``.numba-boundscheck/`` in the repository, git-ignored:
 the first run compiles for about 3 minutes, later runs load it) and runs them over formats and shapes that reach
-their paths: groups of 1, 3, 4 and 6 query heads, one to three kv heads, tails, sink rows, outlier channels, a
-window, several sealed blocks in a run, draft positions cut inside the tail, the integer and the float paths,
-pools strided as vLLM's pages are, seals of whole blocks and of a vLLM step. An index out of bounds raises
-``IndexError`` there; the child names each case that raised one.
+their paths: groups of 1, 3, 4 and 6 query heads, one to three kv heads, head_dim 64, 128 and 256, blocks of 16,
+32 and 64 tokens, tails, sink rows, outlier channels, a window, several sealed blocks in a run, draft positions
+cut inside the tail, the integer and the float paths, pools strided as vLLM's pages are, seals of whole blocks
+and of a vLLM step. An index out of bounds raises ``IndexError`` there; the child names each case that raised
+one.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ for (name, sink), (h, group), lens in itertools.product(
     attempt(f"chunk strided {what}", lambda: chunk_attention(torch.randn(b, t, hq, 64), strided, backend="cpu"))
 
 
+for name, d, block in itertools.product(["int8", "int4", "fp8", "kivi2", "int4-o4"], [128, 256], [16, 64]):
+    fmt = PRESETS[name].with_block_size(block).with_sink(1)
+    lens = [1, block - 1, 3 * block + 5]
+    kv, _, _ = random_paged_kv(fmt, lens, kv_heads=2, head_dim=d, seed=d + block, sink=1)
+    what = f"{name} head_dim={d} block={block}"
+    for int_dot in (True, False):
+        cpu_decode.INT_DOT = int_dot
+        attempt(f"decode {what} int_dot={int_dot}", lambda: decode_attention(torch.randn(3, 6, d), kv, backend="cpu"))
+    attempt(f"chunk {what}", lambda: chunk_attention(torch.randn(3, 1, 6, d), kv, backend="cpu"))
+
+
 def page_rows(spec):  # 8 pages' (data, scale, zero) byte rows of [3 kv heads, 64, 64] blocks (zero None: symmetric)
     parts = quantize(torch.randn(1, 3, 64, 64), spec)
     widths = [p.contiguous().view(torch.uint8).reshape(1, -1).shape[1]
@@ -106,4 +118,5 @@ def test_cpu_kernels_index_inside_their_arrays() -> None:
     failed = [line for line in res.stdout.splitlines() if line.startswith("FAILED")]
     assert not failed, "\n".join(failed[:20])
     cases = int(res.stdout.split("cases ")[1].split()[0])
-    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 4 * 4  # (format, sink) x (kv heads, group) x lengths x calls; seals
+    # (format, sink) x (kv heads, group) x lengths x calls; formats x head_dims x blocks x calls; seals
+    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 5 * 2 * 2 * 3 + 4 * 4
