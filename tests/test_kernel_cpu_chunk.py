@@ -162,10 +162,20 @@ def test_bad_input_is_refused() -> None:
         cpu_chunk.chunk_attention(torch.randn(2, 3, 3, 64), kv)
     with pytest.raises(ShapeError, match="out must be"):
         cpu_chunk.chunk_attention(_q(kv, 3, 2), kv, out=torch.empty(2, 3, 4, 32))
+    # the contents are checked inside the compiled call, before it writes anything: out keeps its poison
+    out = torch.full((2, 3, 4, 64), 7.0)
     bad = kv.block_tables.clone()
     bad[1, 0] = 10_000
     with pytest.raises(ShapeError, match="outside"):
-        cpu_chunk.chunk_attention(_q(kv, 3, 2), dataclasses.replace(kv, block_tables=bad))
+        cpu_chunk.chunk_attention(_q(kv, 3, 2), dataclasses.replace(kv, block_tables=bad), out=out)
+    bad[1, 0] = -1
+    with pytest.raises(ShapeError, match="outside"):
+        cpu_chunk.chunk_attention(_q(kv, 3, 2), dataclasses.replace(kv, block_tables=bad), out=out)
+    with pytest.raises(ShapeError, match="too few for seq_len 40"):  # 40 tokens: 2 sealed blocks of 16, 1 column
+        cpu_chunk.chunk_attention(_q(kv, 3, 2), dataclasses.replace(kv, block_tables=kv.block_tables[:, :1]), out=out)
+    with pytest.raises(ShapeError, match="append the chunk first"):
+        cpu_chunk.chunk_attention(_q(kv, 11, 2), kv, out=torch.full((2, 11, 4, 64), 7.0))
+    assert bool((out == 7.0).all())
     rot = random_paged_kv(PRESETS["fp8"], [70], kv_heads=2, seed=0)[0]
     with pytest.raises(UnsupportedError, match="rotated"):
         cpu_chunk.chunk_attention(_q(rot, 3, 2), rot)

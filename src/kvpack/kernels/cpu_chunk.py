@@ -108,21 +108,18 @@ def _check_call(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None) -> None:
         raise ShapeError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
 
 
-def _check_contents(kv: PagedKV, t: int) -> None:
-    """Lengths and block ids (contents: checked on every call)."""
+def _raise_contents(err: int, kv: PagedKV, t: int) -> None:
+    """The :class:`ShapeError` for the compiled call's content check (lengths and block ids, checked on every call
+    before anything is written: :func:`kvpack.kernels.cpu_chunk_numba.check_contents`)."""
     lens = kv.seq_lens
-    if int(lens.min()) < t:
+    if err == 1:
         raise ShapeError(
             f"every sequence must hold the chunk's {t} tokens (append the chunk first), got seq_lens {lens.tolist()}"
         )
-    nsealed = int(lens.max()) // kv.block_size
-    if nsealed > kv.block_tables.shape[1]:
+    if err == 2:
         raise ShapeError(f"block_tables has {kv.block_tables.shape[1]} columns, too few for seq_len {int(lens.max())}")
     num_blocks = kv.k_data.shape[0]
-    cols = torch.arange(kv.block_tables.shape[1]).view(1, -1)
-    used = kv.block_tables[cols < (lens.view(-1, 1).long() // kv.block_size)]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-        raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
+    raise ShapeError(f"block_tables hold ids outside [0, {num_blocks}); the pools have {num_blocks} blocks")
 
 
 _EMPTY4 = np.zeros((0, 1, 1, 1), np.float32)
@@ -159,7 +156,6 @@ def chunk_attention(
     refuse_rotated(kv)
     prep = cpu_decode._prepare(kv)
     _check_call(q, kv, out)
-    _check_contents(kv, q.shape[1])
     if kv.k_outlier is not None:
         cpu_decode._check_outlier_channels(kv)
     nbm = _nb()
@@ -183,12 +179,14 @@ def chunk_attention(
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     res = out.numpy() if direct else np.empty(qf.shape, np.float32)
     _set_threads()
-    nbm.chunk(
+    err = nbm.chunk(
         qf, prep.k_data or cpu_decode._views(kv.k_data), ks, kz, spec_vector(prep.kp),
         prep.v_data or cpu_decode._views(kv.v_data), vs, vz, spec_vector(prep.vp), ko, ki, tk, tv, sk, sv,
         tables, seq_lens, start, -1 if window is None else int(window), group, np.float32(sm * _LOG2E), q_lo, ROWS_PER_TILE,
-        _step_blocks(kv.block_size), res,
+        _step_blocks(kv.block_size), kv.k_data.shape[0], res,
     )  # fmt: skip
+    if err:
+        _raise_contents(err, kv, q.shape[1])
     if direct:
         return out
     result = torch.from_numpy(res)

@@ -426,6 +426,19 @@ def _row_codes(pay, sp, blk, h, t, bs, d, dst, do):
     elif kind == E5M2:
         for c in range(ud):
             dst[udo + c] = _half(np.int32(p8[o + c]) << np.int32(8))
+    elif per == 2 and d % 2 == 0:  # int4: constant shifts, no division per code (vectorizes)
+        for cb in range(ud // U64(2)):
+            byte = np.int32(p8[o + cb])
+            dst[udo + U64(2) * cb] = np.float32(byte & np.int32(15)) - off
+            dst[udo + U64(2) * cb + U64(1)] = np.float32(byte >> np.int32(4)) - off
+    elif per == 4 and d % 4 == 0:  # int2
+        for cb in range(ud // U64(4)):
+            byte = np.int32(p8[o + cb])
+            c = udo + U64(4) * cb
+            dst[c] = np.float32(byte & np.int32(3)) - off
+            dst[c + U64(1)] = np.float32((byte >> np.int32(2)) & np.int32(3)) - off
+            dst[c + U64(2)] = np.float32((byte >> np.int32(4)) & np.int32(3)) - off
+            dst[c + U64(3)] = np.float32(byte >> np.int32(6)) - off
     else:
         bits = np.int32(8 // per)
         mask = np.int32((1 << bits) - 1)
@@ -452,6 +465,23 @@ def _row_scales(scl, zero, sp, blk, h, t, d, srow, zrow):
         for c in range(span):
             srow[base + c] = s
             zrow[base + c] = z
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _apply_row_scales(scl, zero, sp, blk, h, t, d, dst, o):
+    """``dst[o : o + d] = dst * scale + zero`` with row ``t``'s scales and zero-points (per-token scales, ``Ts > 1``;
+    see :func:`_row_scales`)."""
+    hs, ts, cs = sp[C_HS], sp[C_TS], sp[C_CS]
+    so = U64(blk) * U64(sp[C_SBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t) * U64(cs)
+    zo = U64(blk) * U64(sp[C_ZBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t) * U64(cs)
+    skind, zkind = sp[C_SKIND], sp[C_ZKIND]
+    span = U64(d // cs)
+    for grp in range(U64(cs)):
+        s = _scale_value(scl, skind, so + grp)
+        z = _scale_value(zero, zkind, zo + grp) if zkind != SC_NONE else _ZERO
+        base = o + grp * span
+        for c in range(span):
+            dst[base + c] = dst[base + c] * s + z
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -486,8 +516,9 @@ def _fill_block(role_key, pay, scl, zero, sp, kout, kidx, tab, b, h, j, nsealed,
         _row_codes(pay, sp, blk, h, i, bs, d, dst, o)
         if flt:
             continue
-        if per_row:
-            _row_scales(scl, zero, sp, blk, h, i, d, srow, zrow)
+        if per_row:  # each group's scale and zero-point applied as decoded (no per-channel copies)
+            _apply_row_scales(scl, zero, sp, blk, h, i, d, dst, o)
+            continue
         for c in range(ud):
             dst[o + c] = dst[o + c] * srow[c] + zrow[c]
     nout = sp[C_NOUT]
@@ -708,11 +739,33 @@ def _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
             out[b, t, hq, c] = acc[r, c] * inv
 
 
+@njit(cache=True)
+def check_contents(seq_lens, tables, t_q, bs, num_blocks):
+    """0 when every sequence holds the chunk's ``t_q`` tokens and its sealed blocks' ids lie in
+    ``[0, num_blocks)``; else 1 (a sequence too short), 2 (``tables`` too narrow) or 3 (an id outside)."""
+    for b in range(seq_lens.shape[0]):
+        n = np.int64(seq_lens[b])
+        if n < t_q:
+            return 1
+        nsealed = n // bs
+        if nsealed > tables.shape[1]:
+            return 2
+        for j in range(nsealed):
+            blk = np.int64(tables[b, j])
+            if blk < 0 or blk >= num_blocks:
+                return 3
+    return 0
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def chunk(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, tailv, sinkk, sinkv, tables,
-          seq_lens, start_pos, window, group, scale, q_lo, rows, step_blocks, out):  # fmt: skip
-    """Every work item (sequence x kv head x row tile of ``rows`` rows) on numba's threads (see :func:`_tile`)."""
+          seq_lens, start_pos, window, group, scale, q_lo, rows, step_blocks, num_blocks, out):  # fmt: skip
+    """Every work item (sequence x kv head x row tile of ``rows`` rows) on numba's threads (see :func:`_tile`),
+    after :func:`check_contents` (its code returned, nothing written, when not 0)."""
     batch, t_q = q.shape[0], q.shape[1]
+    err = check_contents(seq_lens, tables, t_q, tailk.shape[2], num_blocks)
+    if err != 0:
+        return err
     kv_heads = tailk.shape[1]
     nrows = t_q * group
     ntiles = -(-nrows // rows)
@@ -725,3 +778,4 @@ def chunk(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, ta
         r1 = min(r0 + rows, nrows)
         _tile(q, kpay, kscl, kzero, kp, vpay, vscl, vzero, vp, kout, kidx, tailk, tailv, sinkk, sinkv, tables,
               seq_lens, start_pos, window, group, scale, q_lo, b, h, r0, r1, step_blocks, out)  # fmt: skip
+    return 0
