@@ -448,14 +448,22 @@ def _row_codes(pay, sp, blk, h, t, bs, d, dst, do):
             dst[udo + c] = np.float32((byte >> (bits * np.int32(c % upr))) & mask) - off
 
 
+@njit(inline="always")
+def _scale_offsets(sp, blk, h, t):
+    """Flat offsets of the first scale and zero-point of row ``t`` of head ``h`` in block ``blk`` (``[Hs, Ts, Cs]``
+    per block: a head or token axis of size 1 is shared)."""
+    hs, ts, cs = sp[C_HS], sp[C_TS], sp[C_CS]
+    inner = U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t if ts > 1 else 0) * U64(cs)
+    return U64(blk) * U64(sp[C_SBST]) + inner, U64(blk) * U64(sp[C_ZBST]) + inner
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def _row_scales(scl, zero, sp, blk, h, t, d, srow, zrow):
     """The scale and zero-point (0 without) of each channel of row ``t`` of head ``h`` in block ``blk``: ``srow``,
     ``zrow`` ``[d]`` float32. Scales constant over a block's tokens (``Ts == 1``) are the same for every row: a
     caller decodes them once per block."""
-    hs, ts, cs = sp[C_HS], sp[C_TS], sp[C_CS]
-    so = U64(blk) * U64(sp[C_SBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t if ts > 1 else 0) * U64(cs)
-    zo = U64(blk) * U64(sp[C_ZBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t if ts > 1 else 0) * U64(cs)
+    cs = sp[C_CS]
+    so, zo = _scale_offsets(sp, blk, h, t)
     skind, zkind = sp[C_SKIND], sp[C_ZKIND]
     span = U64(d // cs)
     for grp in range(U64(cs)):
@@ -471,9 +479,8 @@ def _row_scales(scl, zero, sp, blk, h, t, d, srow, zrow):
 def _apply_row_scales(scl, zero, sp, blk, h, t, d, dst, o):
     """``dst[o : o + d] = dst * scale + zero`` with row ``t``'s scales and zero-points (per-token scales, ``Ts > 1``;
     see :func:`_row_scales`)."""
-    hs, ts, cs = sp[C_HS], sp[C_TS], sp[C_CS]
-    so = U64(blk) * U64(sp[C_SBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t) * U64(cs)
-    zo = U64(blk) * U64(sp[C_ZBST]) + U64(h if hs > 1 else 0) * U64(ts * cs) + U64(t) * U64(cs)
+    cs = sp[C_CS]
+    so, zo = _scale_offsets(sp, blk, h, t)
     skind, zkind = sp[C_SKIND], sp[C_ZKIND]
     span = U64(d // cs)
     for grp in range(U64(cs)):
