@@ -87,17 +87,58 @@ def test_start_up_names_a_smaller_block_where_the_tails_crowd_the_space(caplog):
     assert (
         kcfg.tail_advice(parse_format("int4,block=16"), VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)) is None
     )
-    # the engine's config step logs it (float32: the tails of 32 requests take 90 of 192 MiB)
-    with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
-        _engine_config(
-            max_num_seqs=32, kv_cache_memory_bytes=192 * mib, additional_config={"kvpack": {"format": "int8"}}
-        )
-    assert "where 'int8' holds 8,192 tokens; these formats hold more: 'int8,block=32' 10,976" in caplog.text
-    assert "'int8,tail=fp16' 12,224 (tails and sink rows in float16: half the bytes)" in caplog.text
+    # the engine's config step logs it where the block is fixed (float32: the tails of 32 requests take 90 of
+    # 192 MiB): by the format string, or by vLLM's block_size
+    for kw in ({"format": "int8,block=64"}, {"format": "int8", "block_size": 64}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
+            cfg = _engine_config(
+                max_num_seqs=32, kv_cache_memory_bytes=192 * mib, block_size=kw.get("block_size"),
+                additional_config={"kvpack": {"format": kw["format"]}},
+            )  # fmt: skip
+        assert cfg.cache_config.block_size == 64
+        assert "where 'int8' holds 8,192 tokens; these formats hold more: 'int8,block=32' 10,976" in caplog.text
+        assert "'int8,tail=fp16' 12,224 (tails and sink rows in float16: half the bytes)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
         _engine_config(additional_config={"kvpack": {"format": "int8"}})  # 8 requests in 256 MiB: 9%
     assert "hold more" not in caplog.text
+
+
+def test_a_format_naming_no_block_is_served_with_the_smaller_block_where_the_tails_crowd_the_space(caplog):
+    """The quick benchmark's space (192 MiB, 32 requests, float32): ``int8`` is served with 32-token blocks, which
+    hold 10,976 tokens where 64-token blocks hold 8,192 (``kvpack size`` names the same); every process reads the
+    served format from the config, the tails paid are its own, and the backend's checks then agree."""
+    mib = 2**20
+    with caplog.at_level(logging.WARNING, logger=kcfg.__name__):
+        cfg = _engine_config(
+            max_num_seqs=32, kv_cache_memory_bytes=192 * mib, additional_config={"kvpack": {"format": "int8"}}
+        )
+    want = "serving 'int8' with 32-token blocks as 'int8,block=32': 10,976 tokens, where 64-token blocks hold 8,192"
+    assert want in caplog.text
+    assert cfg.cache_config.block_size == 32
+    assert cfg.additional_config["kvpack"] == {"format": "int8,block=32"}
+    assert kcfg.settings_from(cfg).format == parse_format("int8,block=32")
+    seqs32 = kcfg.tail_pool_bytes(parse_format("int8,block=32"), LAYERS, KV_HEADS, HEAD_DIM, torch.float32, 32)
+    assert cfg.cache_config.kv_cache_memory_bytes == 192 * mib - seqs32  # the served block's tails: half of 64's
+    assert _validate(cfg) == []
+    with set_current_vllm_config(cfg):
+        assert KVPackAttentionBackend.get_supported_kernel_block_sizes() == [32]
+    # the same space with a bfloat16 model: its 16-bit tails take half as much, and 16-token blocks hold the most
+    bf16 = _engine_config(
+        dtype="bfloat16", max_num_seqs=32, kv_cache_memory_bytes=96 * mib,
+        additional_config={"kvpack": {"format": "int4", "kernel": "cpu"}},
+    )  # fmt: skip
+    want = VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)
+    assert bf16.additional_config["kvpack"] == {"format": "int4,block=32", "kernel": "cpu"}  # the other keys kept
+    assert want.tokens(parse_format("int4,block=32")) >= 1.05 * want.tokens(parse_format("int4"))
+    # kept: a space where the tails are a small share, a plan, and a block the user fixed (format or block_size:
+    # the warning above)
+    assert _engine_config(additional_config={"kvpack": {"format": "int8"}}).cache_config.block_size == 64
+    plan = _engine_config(
+        max_num_seqs=32, kv_cache_memory_bytes=192 * mib, additional_config={"kvpack": {"format": "int4/int8[0]"}}
+    )
+    assert plan.cache_config.block_size == 64 and plan.additional_config["kvpack"]["format"] == "int4/int8[0]"
 
 
 def test_bench_providers_run_with_their_formats_block_size():
@@ -107,6 +148,7 @@ def test_bench_providers_run_with_their_formats_block_size():
     assert provider_job("vllm-default") == {"format": None, "kv_cache_dtype": "auto", "block_size": 64}
     assert provider_job("vllm-fp8") == {"format": None, "kv_cache_dtype": "fp8", "block_size": 64}
     assert provider_job("int8,block=32") == {"format": "int8,block=32", "kv_cache_dtype": "auto", "block_size": 32}
+    assert provider_job("int8") == {"format": "int8", "kv_cache_dtype": "auto", "block_size": None}  # the backend's
     assert provider_job("int4,block=16/int8,block=16[0]")["block_size"] == 16
     with pytest.raises(FormatError, match="unknown format preset 'int5'"):
         provider_job("int5")

@@ -169,6 +169,20 @@ def test_vllm_holds_the_tokens_the_page_layout_predicts(job, runs, fmt):
     assert res["kv_capacity_tokens"] <= (KV_BYTES - tails) / per_token
 
 
+def test_a_format_naming_no_block_is_served_with_the_block_that_holds_the_most(job, stock, runs):
+    """The job's tails take most of its space, so ``int8`` with no block size given to vLLM is served with a smaller
+    block (the one ``kvpack size`` names): more tokens than 64-token blocks, exactly the capacity ``kvpack size``
+    predicts for it, the engine test's agreement with vLLM's float32 cache, prefix hits, and no tail left."""
+    res = _run(runs, job, "int8@auto", format="int8", block_size=None)
+    served = res["served_format"]
+    assert served in ("int8,block=32", "int8,block=16") and res["block_size"] == parse_format(served).block_size
+    assert res["kv_capacity_tokens"] == _size_predicts(served)
+    assert res["kv_capacity_tokens"] >= 1.05 * _run(runs, job, "int8")["kv_capacity_tokens"]
+    assert _identical(res, stock) >= 0.9
+    assert sum(res["cached_tokens"]) >= 11 * 192 and res["tails_left"] == 0
+    assert _run(runs, job, "int8")["served_format"] == "int8"  # the job's block_size (64) keeps the format's
+
+
 def test_a_plan_whose_overrides_cover_every_layer_serves_exactly_that_format(job, runs):
     """Base int8, every layer overridden to int4: each page is resized to int4's by the runner hook and each layer
     reads it as int4, so tokens and capacity are exactly the int4 engine's."""

@@ -59,6 +59,7 @@ WORKLOADS = {"full": FULL, "quick": QUICK, "long-output": LONG_OUTPUT}
 @dataclass
 class Row:
     format: str
+    block_size: int  # vLLM's block: the format's own, or a smaller one the backend served (config.serve_block)
     kv_capacity_tokens: int
     max_running: int
     preemptions: int
@@ -147,10 +148,13 @@ def run(
 
 def provider_job(name: str) -> dict[str, Any]:
     """A provider's keys of an engine job: the kvpack format (None: vLLM's own cache), vLLM's kv_cache_dtype and
-    block size (a kvpack format's own: ``int8,block=32`` runs with 32-token blocks). ``name`` is a key of
-    :data:`PROVIDERS` or a kvpack format string."""
+    block size (64 for vLLM's own cache; a kvpack format's own where it names one, ``int8,block=32`` running with
+    32-token blocks; else None, left to the kvpack backend, which serves a smaller block where the tails crowd the
+    space, as for a user who gives none). ``name`` is a key of :data:`PROVIDERS` or a kvpack format string."""
     fmt, dtype = PROVIDERS.get(name, (name, "auto"))
-    block = 64 if fmt is None else parse_plan(fmt).base.block_size
+    block: int | None = 64 if fmt is None else parse_plan(fmt).base.block_size  # a bad format stops here
+    if fmt is not None and "block=" not in fmt.replace(" ", "").lower():
+        block = None  # what a user who names no block gets: the backend's choice for the space (config.serve_block)
     return {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
 
 
@@ -158,18 +162,18 @@ def make_row(name: str, res: dict[str, Any], reference: list[list[int]]) -> Row:
     """The row of one engine result (:func:`~kvpack.integrations.vllm.engine.run_engine`); ``greedy_match``
     against ``reference``, the reference provider's outputs."""
     match = float(np.mean([a == b for a, b in zip(res["outputs"], reference)]))
-    return Row(name, res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
+    return Row(name, res["block_size"], res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
                res["wall_s"], match, sum(res["cached_tokens"]))  # fmt: skip
 
 
 def table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
-    head = f"{'format':<14}{'kv_capacity_tokens':>19}{'max_running':>12}{'preemptions':>12}{'tokens_per_s':>13}"
+    head = f"{'format':<14}{'block':>6}{'kv_capacity_tokens':>19}{'max_running':>12}{'preemptions':>12}{'tokens_per_s':>13}"
     head += f"{'wall_s':>9}{'greedy_match':>13}{'prefix_hits':>12}"
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.format:<14}{r.kv_capacity_tokens:>19,}{r.max_running:>12}{r.preemptions:>12}{r.tokens_per_s:>13.1f}"
+            f"{r.format:<14}{r.block_size:>6}{r.kv_capacity_tokens:>19,}{r.max_running:>12}{r.preemptions:>12}{r.tokens_per_s:>13.1f}"
             f"{r.wall_s:>9.1f}{r.greedy_match:>13.2f}{r.prefix_hit_tokens:>12,}"
         )
     return "\n".join(lines)

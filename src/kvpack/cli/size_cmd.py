@@ -232,7 +232,7 @@ def render(p) -> str:
             )
         for field, what, why in (
             ("vllm_smaller_block", "smaller blocks", "shorter full-precision tails, more scale bytes per sealed token; "
-             "the format string sets vLLM's block size"),
+             "the kvpack backend serves these unless the format names block= or vLLM is given a block size"),
             ("vllm_float16_tails", "float16 tails", "the float32 model's tails and sink rows in float16, half their "
              "bytes: docs/formats.md, 'tail='"),
         ):  # fmt: skip

@@ -33,6 +33,7 @@ __all__ = [
     "engine_reasons",
     "layer_index",
     "pay_tails",
+    "serve_block",
     "settings_from",
     "spec_tokens",
     "startup_reasons",
@@ -322,6 +323,68 @@ def tail_advice(fmt: KVFormat, space: VllmSpace) -> str | None:
     )
 
 
+def _space(vllm_config: Any, fmt: KVFormat) -> VllmSpace | None:
+    """One worker's KV space as :mod:`kvpack.sizing` counts it (the space ``kv_cache_memory_bytes`` gives, before
+    the tails are taken out), or None when no space was given (vLLM then measures free memory)."""
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    if model is None or not cache.kv_cache_memory_bytes:
+        return None
+    parallel = vllm_config.parallel_config
+    act = torch.empty((), dtype=model.dtype).element_size()
+    windows = _windows(getattr(model, "hf_text_config", None))
+    return VllmSpace(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), act,
+                     cache.kv_cache_memory_bytes, tail_slots(vllm_config), windows, spec_tokens(vllm_config))  # fmt: skip
+
+
+def _names_block(text: str) -> bool:
+    """Whether a format string fixes its block size (``block=`` in any of its formats)."""
+    return "block=" in text.replace(" ", "").lower()
+
+
+def serve_block(vllm_config: Any, settings: Settings) -> Settings:
+    """The settings to serve: ``settings`` with a smaller block where the full-precision tails crowd the KV space.
+
+    Each running request keeps its open block in a full-precision tail paid from the space, so where the tails take
+    much of it a smaller block (:func:`kvpack.sizing.vllm_smaller_block`: 32 or 16 tokens, taken when it holds at
+    least 5% more tokens) serves more, its per-channel key scales covering fewer tokens. It is taken where the user
+    left the block open: a format string with no ``block=``, no ``block_size`` given to vLLM, no
+    per-layer plan and no calibration artifact (whose scales were checked against the format as named), and a space
+    given (``kv_cache_memory_bytes``; vLLM's own measure of free memory comes after the block size is set). The
+    served format is written back into ``additional_config``, so every vLLM process that parses it serves the same
+    one, and logged as a warning with both capacities."""
+    raw = _raw(vllm_config)
+    text = raw if isinstance(raw, str) else raw["format"]
+    fmt = settings.format
+    cache = vllm_config.cache_config
+    if (
+        settings.plan.overrides
+        or settings.calibration is not None
+        or _names_block(text)
+        or getattr(cache, "user_specified_block_size", False)
+    ):
+        return settings
+    space = _space(vllm_config, fmt)
+    if space is None:
+        return settings
+    found = vllm_smaller_block(fmt, space)
+    if found is None:
+        return settings
+    served, tokens = found
+    name = served.name or served.spec_string()
+    entry = {"format": raw} if isinstance(raw, str) else dict(raw)
+    vllm_config.additional_config[_KEY] = {**entry, "format": name}
+    mib = 2**20
+    tails = space.tail_bytes(fmt)
+    logger.warning(
+        "kvpack: the full-precision tails of %d requests take %.1f MiB of the %.1f MiB KV space (%.0f%%); serving "
+        "%r with %d-token blocks as %r: %s tokens, where %d-token blocks hold %s (name block= in the format, or give "
+        "vLLM a block_size, to keep a block size)",
+        space.seqs, tails / mib, space.space_bytes / mib, 100 * tails / space.space_bytes, text, served.block_size,
+        name, f"{tokens:,}", fmt.block_size, f"{space.tokens(fmt):,}",
+    )  # fmt: skip
+    return Settings(parse_plan(name), settings.kernel, settings.calibration)
+
+
 def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
     """Take the full-precision tails out of ``kv_cache_memory_bytes``, once per engine config (a mark on the cache
     config, which vLLM pickles to its other processes with the config, keeps a second call from paying again),
@@ -347,11 +410,8 @@ def pay_tails(vllm_config: Any, fmt: KVFormat | LayerPlan) -> int:
             f"with speculative decoding) need {tails / 2**20:.0f} MiB, more than the KV cache space of "
             f"{cache.kv_cache_memory_bytes / 2**20:.0f} MiB; lower max_num_seqs or raise the space"
         )
-    if not plan.overrides:
-        act = torch.empty((), dtype=model.dtype).element_size()
-        windows = _windows(getattr(model, "hf_text_config", None))
-        space = VllmSpace(layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, seqs, windows,
-                          spec_tokens(vllm_config))  # fmt: skip
+    space = None if plan.overrides else _space(vllm_config, fmt)
+    if space is not None:
         advice = tail_advice(fmt, space)
         if advice:
             logger.warning(advice)

@@ -11,7 +11,7 @@ A job (all keys optional but ``model`` and ``prompts``)::
      "kernel": "auto", "calibration": null (a `kvpack calibrate` folder, for static formats),
      "prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "seed": 0,
      "kv_bytes": 268435456, "max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512,
-     "enable_prefix_caching": true, "dtype": "float32", "block_size": 64, "threads": null,
+     "enable_prefix_caching": true, "dtype": "float32", "block_size": 64 (null: vLLM's default), "threads": null,
      "warmup": true, "warmup_requests": 1, "detokenize": true, "n": 1, "prompt_logprobs": false,
      "abort": null | {"every": 3, "after_steps": 8},
      "engine_kwargs": {...more vllm.LLM arguments}}
@@ -27,7 +27,9 @@ own cache under kvpack's name.
 
 The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized; empty without
 ``detokenize``), ``cached_tokens`` (prompt tokens served from the prefix cache, per prompt), ``num_blocks``,
-``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
+``block_size`` (vLLM's, in tokens), ``served_format`` (the kvpack format the engine serves: the job's, or with a
+smaller block where the tails crowd the space and the job leaves ``block_size`` to vLLM, null there; null for vLLM's
+cache), ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
 ``completions`` (with ``"n": N`` > 1 in the job: the N sampled completions per prompt, unseeded: vLLM's CPU
 sampler refuses a seed there), ``prompt_logprobs`` (with ``"prompt_logprobs": true``: each prompt token's
 log-probability given the tokens before it, as the prefill computed it),
@@ -141,10 +143,13 @@ def _main() -> None:
         max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
         enable_prefix_caching=job.get("enable_prefix_caching", True),
         kv_cache_memory_bytes=int(job.get("kv_bytes", 256 * 2**20)),
-        block_size=job.get("block_size", 64),
         seed=job.get("seed", 0),
         kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
     )
+    if (
+        job.get("block_size", 64) is not None
+    ):  # None: vLLM's default, which the kvpack platform sets (config.serve_block)
+        kw["block_size"] = job.get("block_size", 64)
     if job.get("format"):
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
         if job.get("calibration"):
@@ -178,7 +183,10 @@ def _main() -> None:
             llm.llm_engine.step()
     stats = {"steps": 0, "max_running": 0, "preemptions": 0}
     _instrument(core.scheduler, stats)
-    num_blocks = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    engine_config = llm.llm_engine.vllm_config
+    num_blocks = int(engine_config.cache_config.num_gpu_blocks)
+    block_size = int(engine_config.cache_config.block_size)
+    served = (engine_config.additional_config or {}).get("kvpack") if job.get("format") else None
     sp = SamplingParams(
         temperature=job.get("temperature", 0.0), max_tokens=job.get("max_tokens", 64), n=job.get("n", 1),
         seed=job.get("seed", 0) if job.get("n", 1) == 1 else None,  # vLLM's CPU sampler takes no seed with n > 1
@@ -208,7 +216,9 @@ def _main() -> None:
         "cached_tokens": [0 if o is None else int(o.num_cached_tokens or 0) for o in outs],
         "aborted": aborted,
         "num_blocks": num_blocks,
-        "kv_capacity_tokens": num_blocks * kw["block_size"],
+        "block_size": block_size,
+        "served_format": served.get("format") if isinstance(served, dict) else served,
+        "kv_capacity_tokens": num_blocks * block_size,
         "wall_s": wall,
         "generated_tokens": generated,
         "tokens_per_s": generated / wall if wall > 0 else 0.0,

@@ -13,7 +13,7 @@ from vllm.platforms.cpu import CpuPlatform
 
 from kvpack.errors import ConfigError
 from kvpack.integrations.vllm import BACKEND_PATH
-from kvpack.integrations.vllm.config import engine_reasons, pay_tails, settings_from
+from kvpack.integrations.vllm.config import engine_reasons, pay_tails, serve_block, settings_from
 
 __all__ = ["KVPackCpuPlatform"]
 
@@ -34,6 +34,7 @@ class KVPackCpuPlatform(CpuPlatform):
         super().check_and_update_config(vllm_config)
         if settings is None:
             return
+        settings = serve_block(vllm_config, settings)  # a smaller block where the tails crowd the space
         # vLLM's page is the format's block (CpuPlatform.update_block_size_for_backend leaves a model without
         # mamba layers at vLLM's default, where other platforms ask the backend)
         if not vllm_config.cache_config.user_specified_block_size:
