@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,58 @@ def test_seal_step_refuses_rows_outside_its_inputs_and_writes_nothing(slots, fro
     assert cpu_seal.seal_step(tails, new, np.array([-1]), np.array([0]), np.array([12]), np.array([1]),
                               (fmt.key, fmt.value), rows)  # fmt: skip
     assert not all(torch.equal(a, b) for a, b in zip(before, [r for part in rows for r in part]))
+
+
+def test_step_writes_seal_and_write_rows_in_one_call_or_refuse_with_nothing_written():
+    """``StepWrites``: a step's seal and tail rows in one compiled call give the bytes of ``seal_step`` then
+    ``write_rows``; an index outside the tails or the step's rows (a sealed block's or a tail row's) is a typed
+    error, and a non-finite value in a sealed block returns False: in each case no page row and no tail changed."""
+    from kvpack.errors import ShapeError
+
+    fmt = PRESETS["int4"].with_block_size(8)
+    h, t, d = 2, 8, 64
+    g = torch.Generator().manual_seed(3)
+    widths = {p: [w.shape[1] for w in _expected(torch.randn(1, h, t, d), spec)] for p, spec in
+              (("k", fmt.key), ("v", fmt.value))}  # fmt: skip
+
+    def state():
+        tails = (torch.randn(3, h, t, d, generator=g), torch.randn(3, h, t, d, generator=g))
+        rows = tuple(tuple(torch.full((4, w), 7, dtype=torch.uint8) for w in widths[p]) for p in "kv")
+        return tails, rows
+
+    i64 = functools.partial(np.array, dtype=np.int64)
+    new = (torch.randn(20, h, d, generator=g), torch.randn(20, h, d, generator=g))
+    seal = (i64([2]), i64([5]), i64([0]), i64([1]))  # slot 2's 5 tail rows and the step's rows 0-2 into page 1
+    rows_to = (i64([3, 4]), i64([0, 0]), i64([6, 7]))  # step rows 3 and 4 to slot 0 at 6 and 7
+    (tails_a, rows_a), (tails_b, rows_b) = state(), state()
+    for x, y in zip(
+        (*tails_a, *[r for part in rows_a for r in part]), (*tails_b, *[r for part in rows_b for r in part])
+    ):
+        y.copy_(x)
+    assert cpu_seal.StepWrites(tails_a, rows_a, (fmt.key, fmt.value))(cpu_seal.row_arrays(*new), *seal, *rows_to)
+    assert cpu_seal.seal_step(tails_b, new, *seal, (fmt.key, fmt.value), rows_b)
+    cpu_seal.write_rows(tails_b, new, *rows_to)
+    for x, y in zip(
+        (*tails_a, *[r for part in rows_a for r in part]), (*tails_b, *[r for part in rows_b for r in part])
+    ):
+        assert torch.equal(x, y)
+
+    bad_new = (new[0].clone(), new[1].clone())
+    bad_new[1][1, 0, 5] = float("nan")
+    cases = [
+        ("sealed blocks", new, (i64([3]), i64([5]), i64([0]), i64([1])), rows_to),  # slot outside the tails
+        ("tail rows", new, seal, (i64([3, 20]), i64([0, 0]), i64([6, 7]))),  # a step row that does not exist
+        ("tail rows", new, seal, (i64([3]), i64([0]), i64([8]))),  # an offset past the block
+        (None, bad_new, seal, rows_to),  # a NaN in the sealed block's values
+    ]
+    for what, step_new, step_seal, step_rows in cases:
+        tails, rows = state()
+        before = [x.clone() for x in (*tails, *[r for part in rows for r in part])]
+        writes = cpu_seal.StepWrites(tails, rows, (fmt.key, fmt.value))
+        if what is None:
+            assert not writes(cpu_seal.row_arrays(*step_new), *step_seal, *step_rows)
+        else:
+            with pytest.raises(ShapeError, match=what):
+                writes(cpu_seal.row_arrays(*step_new), *step_seal, *step_rows)
+        after = (*tails, *[r for part in rows for r in part])
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), what

@@ -104,6 +104,8 @@ for name in ["int8", "int4", "k4v2", "kivi2"]:
     attempt(f"seal step {name}", lambda: cpu_seal.seal_step(tails, new, *step, (fmt.key, fmt.value), pages))
     rows = (np.array([68, 69]), np.array([0, 1]), np.array([5, 63]))
     attempt(f"tail rows {name}", lambda: cpu_seal.write_rows(tails, new, *rows))
+    writes = cpu_seal.StepWrites(tails, pages, (fmt.key, fmt.value))
+    attempt(f"step writes {name}", lambda: writes(cpu_seal.row_arrays(*new), *step, *rows))
 print(f"cases {cases}")
 for line in failed:
     print(f"FAILED {line}")
@@ -119,4 +121,4 @@ def test_cpu_kernels_index_inside_their_arrays() -> None:
     assert not failed, "\n".join(failed[:20])
     cases = int(res.stdout.split("cases ")[1].split()[0])
     # (format, sink) x (kv heads, group) x lengths x calls; formats x head_dims x blocks x calls; seals
-    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 5 * 2 * 2 * 3 + 4 * 4
+    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 5 * 2 * 2 * 3 + 4 * 5

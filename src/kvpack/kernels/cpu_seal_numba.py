@@ -381,3 +381,37 @@ def write_rows(tail_k, tail_v, new_k, new_v, toks, slots, offs):
                 tail_k[s, a, o, c] = new_k[k0, a, c]
                 tail_v[s, a, o, c] = new_v[k0, a, c]
     return 0
+
+
+@njit(cache=True, nogil=True)
+def _rows_fit(tail, new, toks, slots, offs):
+    """Whether every row :func:`write_rows` would copy lies inside ``tail`` and ``new``."""
+    cap, t = tail.shape[0], tail.shape[2]
+    n = new.shape[0]
+    for i in range(toks.shape[0]):
+        if not (0 <= toks[i] < n and 0 <= slots[i] < cap and 0 <= offs[i] < t):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def write_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, buf_k, buf_v,
+               kq, k_data, k_scale, k_zero, vq, v_data, v_scale, v_zero, wtok, wslot, woff):  # fmt: skip
+    """A step's writes in one call: :func:`seal_step` for the ``K = len(slots)`` blocks it fills (none: no seal),
+    then :func:`write_rows` for the rows that go to tails. In the vLLM backend each compiled call of a layer's step
+    starts with the caches cold, and its Python around it (arrays made, arguments unboxed) cost ~50 us of a seal's
+    ~80 there: one call a step, its arrays made once per layer.
+
+    Returns 0; 1 with nothing written when a key or value of a sealed block is not finite; 2 when a sealed block's
+    rows lie outside the tails or the step's rows, 3 when a tail row does (nothing read or written). ``buf_k``,
+    ``buf_v``: ``[>= K, H, T, D]`` float32 scratch (the first ``K`` used); the rest as :func:`seal_step` and
+    :func:`write_rows` take them (``wtok``, ``wslot``, ``woff``: the latter's ``toks``, ``slots``, ``offs``)."""
+    if not (_rows_fit(tail_k, new_k, wtok, wslot, woff) and _rows_fit(tail_v, new_v, wtok, wslot, woff)):
+        return 3
+    nk = slots.shape[0]
+    if nk:
+        err = seal_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, buf_k[:nk], buf_v[:nk],
+                        kq, k_data, k_scale, k_zero, vq, v_data, v_scale, v_zero)  # fmt: skip
+        if err:
+            return err
+    return 3 * write_rows(tail_k, tail_v, new_k, new_v, wtok, wslot, woff)

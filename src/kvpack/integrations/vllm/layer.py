@@ -5,10 +5,10 @@ Given the step's :class:`~kvpack.integrations.vllm.tails.StepPlan` it
 
 1. seals the blocks this step fills: their tail rows and new tokens quantized into the block's page
    (block-local scales, computed once; the page never changes again), integer formats on the CPU gathered and
-   sealed, keys and values, in one compiled call (:func:`kvpack.kernels.cpu_seal.seal_step`), others with torch
-   and :func:`kvpack.quant.quantize`;
-2. writes the other new tokens to their request's tail slot (on the CPU in one compiled call), and positions
-   ``< S`` to the first page's sink rows;
+   sealed, keys and values, in a compiled call, others with torch and :func:`kvpack.quant.quantize`;
+2. writes the other new tokens to their request's tail slot, and positions ``< S`` to the first page's sink rows;
+   on the CPU the seal and these rows are one compiled call (:class:`kvpack.kernels.cpu_seal.StepWrites`) unless
+   tails move between slots in the step;
 3. attends: decode rows (one query) through the decode kernel :func:`kvpack.kernels.choose_backend` picks once per
    view (:func:`kvpack.kernels.run_backend`), which reads the packed pages in place, and so, on the CPU, a token's
    drafts (:class:`FusedPass`: positions as query heads of one call); rows with several queries (prefill, chunked
@@ -331,22 +331,30 @@ class PagedLayer:
 
     # -- writes -----------------------------------------------------------------------------------------
 
-    def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _step_writes(self, pools: dict[str, torch.Tensor]) -> cpu_seal.StepWrites | None:
+        """The compiled writes into these pages (made once per set of page views), or None where the seal is not
+        compiled (a float tail on another device, numba missing, a spec :func:`cpu_seal.supports` refuses)."""
+        if self._seal_arrays is not None and self._seal_arrays[0] is pools:
+            return self._seal_arrays[1]
         specs = (self.format.key, self.format.value)
-        if self._compiled_writes and self._seal_arrays is not None and self._seal_arrays[0] is pools:
-            compiled = self._seal_arrays[1]
-        elif self._compiled_writes and all(map(cpu_seal.supports, specs)):
-            rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
-            # made once per set of page views: the rows and their numpy views (each costs us with the caches cold)
-            compiled = (rows, cpu_seal.seal_arrays((self.tail_k, self.tail_v), rows))
-            self._seal_arrays = (pools, compiled)
-        else:
-            compiled = None
-        if compiled is not None:
-            if cpu_seal.seal_step((self.tail_k, self.tail_v), (k, v), plan.seal_slot, plan.seal_from, plan.seal_tok,
-                                  plan.seal_block, specs, *compiled):  # fmt: skip
+        if not (self._compiled_writes and all(map(cpu_seal.supports, specs))):
+            return None
+        rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
+        writes = cpu_seal.StepWrites((self.tail_k, self.tail_v), rows, specs)
+        self._seal_arrays = (pools, writes)
+        return writes
+
+    def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        writes = self._step_writes(pools)
+        if writes is not None:
+            new = cpu_seal.row_arrays(k, v)
+            if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block):
                 return
             # a key or value is not finite, nothing was written: the path below names the place and raises
+        self._seal_reference(pools, plan, k, v)
+
+    def _seal_reference(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The seal in torch (formats the compiled seal does not take; a non-finite block, raised here)."""
         b = self.format.block_size
         blocks_k, blocks_v = [], []
         for slot, s, tok in zip(plan.seal_slot.tolist(), plan.seal_from.tolist(), plan.seal_tok.tolist()):
@@ -403,6 +411,15 @@ class PagedLayer:
         v = value.to(self.tail_dtype)
         if self._check_range and not (all_finite(k) and all_finite(v)):
             self._raise_overflow((given, k), (value, v))
+        writes = self._step_writes(pools) if not plan.move_src.size else None
+        if writes is not None and plan.write_tok.size:
+            # the common step (no tail moves): the seal and the tail rows in one compiled call
+            new = cpu_seal.row_arrays(k, v)
+            if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block, plan.write_tok,
+                      plan.write_slot, plan.write_off):  # fmt: skip
+                self._write_sinks(pools, plan, k, v)
+                return
+            # a key or value of a sealed block is not finite, nothing was written: the seal below names it and raises
         if plan.seal_block.size:
             self._seal(pools, plan, k, v)  # first: a sealed block's tail slot may be handed out again this step
         if plan.move_src.size:  # tails follow their requests' rows (the right side is gathered before writing)
@@ -419,6 +436,10 @@ class PagedLayer:
             # [slot, off] on a (slot, position, head, dim) view: adjacent indices, one fast scatter of [M, H, D]
             self.tail_k.transpose(1, 2)[slot, off] = k[tok]
             self.tail_v.transpose(1, 2)[slot, off] = v[tok]
+        self._write_sinks(pools, plan, k, v)
+
+    def _write_sinks(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Each request's sink rows (position 0) into its first page, in the pages' sink dtype."""
         if plan.sink_tok.size:
             self._sink_writes += 1
             tok, blk, pos = (torch.from_numpy(x).to(k.device) for x in (plan.sink_tok, plan.sink_block, plan.sink_pos))
