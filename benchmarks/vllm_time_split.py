@@ -10,8 +10,8 @@ process, with timers around the parts of each layer's step (the engine's warm-up
     python benchmarks/vllm_time_split.py --format vllm-fp8        # vLLM's own fp8 cache: its attention layer's forward
 
 Prints, per part, its total seconds, its calls and microseconds per call: the whole attention layer
-(``forward``), its writes (``write``: the seals, of which the compiled gathering and quantization, and the tail
-rows), its reads (``attend``: the decode and chunk kernels' calls and the page views). A timer costs about a
+(``forward``), its writes (``write``: the step's seal and tail rows in one compiled call, or the seal and then the
+tail rows in steps that move tails between slots), its reads (``attend``: the decode and chunk kernels' calls and the page views). A timer costs about a
 microsecond per call; the engine's own throughput line is printed too, for the provider's wall time.
 """
 
@@ -55,8 +55,8 @@ def _install(own: bool) -> None:
     _timed(backend.KVPackAttentionImpl, "forward", "forward")
     _timed(layer.PagedLayer, "write", "write")
     _timed(layer.PagedLayer, "_seal", "write: seal")
-    _timed(cpu_seal, "seal_step", "write: seal: gather and quantize (compiled)")
-    _timed(cpu_seal, "write_rows", "write: tail rows (compiled)")
+    _timed(cpu_seal.StepWrites, "__call__", "write: seal and tail rows (compiled, one call)")
+    _timed(cpu_seal, "write_rows", "write: tail rows alone (compiled; steps that move tails)")
     _timed(layer.PagedLayer, "attend", "attend")
     _timed(layer, "run_backend", "attend: decode kernel")
     _timed(layer, "run_chunk_backend", "attend: chunk kernel")
