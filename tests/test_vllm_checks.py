@@ -132,6 +132,18 @@ def test_a_format_naming_no_block_is_served_with_the_smaller_block_where_the_tai
     want = VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 2, 96 * mib, 32)
     assert bf16.additional_config["kvpack"] == {"format": "int4,block=32", "kernel": "cpu"}  # the other keys kept
     assert want.tokens(parse_format("int4,block=32")) >= 1.05 * want.tokens(parse_format("int4"))
+    # a space too small for 64-token blocks' tails (90 MiB) is served with the smaller block that holds the most
+    # (16 tokens: 22.5 MiB of tails); named, the 64-token block is refused
+    small = _engine_config(
+        max_num_seqs=32, kv_cache_memory_bytes=88 * mib, additional_config={"kvpack": {"format": "int8"}}
+    )
+    space = VllmSpace(LAYERS, KV_HEADS, HEAD_DIM, 4, 88 * mib, 32)
+    held = {b: space.tokens(parse_format(f"int8,block={b}")) for b in (16, 32)}
+    assert small.cache_config.block_size == 16 and held[16] > held[32] > 0
+    with pytest.raises(ValueError, match=r"32 tail slots .* need 90 MiB, more than the KV cache space of 88 MiB"):
+        _engine_config(
+            max_num_seqs=32, kv_cache_memory_bytes=88 * mib, additional_config={"kvpack": {"format": "int8,block=64"}}
+        )
     # kept: a space where the tails are a small share, a plan, and a block the user fixed (format or block_size:
     # the warning above)
     assert _engine_config(additional_config={"kvpack": {"format": "int8"}}).cache_config.block_size == 64

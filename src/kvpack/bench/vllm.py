@@ -162,19 +162,19 @@ def make_row(name: str, res: dict[str, Any], reference: list[list[int]]) -> Row:
     """The row of one engine result (:func:`~kvpack.integrations.vllm.engine.run_engine`); ``greedy_match``
     against ``reference``, the reference provider's outputs."""
     match = float(np.mean([a == b for a, b in zip(res["outputs"], reference)]))
-    return Row(name, res["block_size"], res["kv_capacity_tokens"], res["max_running"], res["preemptions"], res["tokens_per_s"],
-               res["wall_s"], match, sum(res["cached_tokens"]))  # fmt: skip
+    return Row(name, res["block_size"], res["kv_capacity_tokens"], res["max_running"], res["preemptions"],
+               res["tokens_per_s"], res["wall_s"], match, sum(res["cached_tokens"]))  # fmt: skip
 
 
 def table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
-    head = f"{'format':<14}{'block':>6}{'kv_capacity_tokens':>19}{'max_running':>12}{'preemptions':>12}{'tokens_per_s':>13}"
-    head += f"{'wall_s':>9}{'greedy_match':>13}{'prefix_hits':>12}"
+    head = f"{'format':<14}{'block':>6}{'kv_capacity_tokens':>19}{'max_running':>12}{'preemptions':>12}"
+    head += f"{'tokens_per_s':>13}{'wall_s':>9}{'greedy_match':>13}{'prefix_hits':>12}"
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.format:<14}{r.block_size:>6}{r.kv_capacity_tokens:>19,}{r.max_running:>12}{r.preemptions:>12}{r.tokens_per_s:>13.1f}"
-            f"{r.wall_s:>9.1f}{r.greedy_match:>13.2f}{r.prefix_hit_tokens:>12,}"
+            f"{r.format:<14}{r.block_size:>6}{r.kv_capacity_tokens:>19,}{r.max_running:>12}{r.preemptions:>12}"
+            f"{r.tokens_per_s:>13.1f}{r.wall_s:>9.1f}{r.greedy_match:>13.2f}{r.prefix_hit_tokens:>12,}"
         )
     return "\n".join(lines)
 

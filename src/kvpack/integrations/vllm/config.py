@@ -332,8 +332,9 @@ def _space(vllm_config: Any, fmt: KVFormat) -> VllmSpace | None:
     parallel = vllm_config.parallel_config
     act = torch.empty((), dtype=model.dtype).element_size()
     windows = _windows(getattr(model, "hf_text_config", None))
-    return VllmSpace(model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(), act,
-                     cache.kv_cache_memory_bytes, tail_slots(vllm_config), windows, spec_tokens(vllm_config))  # fmt: skip
+    layers, heads = model.get_num_layers(parallel), model.get_num_kv_heads(parallel)
+    return VllmSpace(layers, heads, model.get_head_size(), act, cache.kv_cache_memory_bytes, tail_slots(vllm_config),
+                     windows, spec_tokens(vllm_config))  # fmt: skip
 
 
 def _names_block(text: str) -> bool:
@@ -367,7 +368,7 @@ def serve_block(vllm_config: Any, settings: Settings) -> Settings:
     if space is None:
         return settings
     found = vllm_smaller_block(fmt, space)
-    if found is None:
+    if found is None or found[1] <= 0:  # none holds more, or none holds a block (pay_tails names the space's shortfall)
         return settings
     served, tokens = found
     name = served.name or served.spec_string()

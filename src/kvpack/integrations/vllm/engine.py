@@ -27,8 +27,8 @@ own cache under kvpack's name.
 
 The result: ``outputs`` (generated token ids per prompt), ``texts`` (the same, detokenized; empty without
 ``detokenize``), ``cached_tokens`` (prompt tokens served from the prefix cache, per prompt), ``num_blocks``,
-``block_size`` (vLLM's, in tokens), ``served_format`` (the kvpack format the engine serves: the job's, or with a
-smaller block where the tails crowd the space and the job leaves ``block_size`` to vLLM, null there; null for vLLM's
+``block_size`` (vLLM's, in tokens), ``served_format`` (the kvpack format the engine serves: the job's, or the
+same with a smaller block where the tails crowd the space and the job's ``block_size`` is null; null for vLLM's
 cache), ``kv_capacity_tokens``, ``max_running``, ``preemptions``, ``wall_s``, ``generated_tokens``, ``tokens_per_s``,
 ``completions`` (with ``"n": N`` > 1 in the job: the N sampled completions per prompt, unseeded: vLLM's CPU
 sampler refuses a seed there), ``prompt_logprobs`` (with ``"prompt_logprobs": true``: each prompt token's
@@ -146,10 +146,9 @@ def _main() -> None:
         seed=job.get("seed", 0),
         kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
     )
-    if (
-        job.get("block_size", 64) is not None
-    ):  # None: vLLM's default, which the kvpack platform sets (config.serve_block)
-        kw["block_size"] = job.get("block_size", 64)
+    block = job.get("block_size", 64)  # None: vLLM's default, which the kvpack platform sets (config.serve_block)
+    if block is not None:
+        kw["block_size"] = block
     if job.get("format"):
         kw["additional_config"] = {"kvpack": {"format": job["format"], "kernel": job.get("kernel", "auto")}}
         if job.get("calibration"):

@@ -308,8 +308,8 @@ class PagedLayer:
         )
         # the tail pools as the compiled writes read them, made once (not per step: caches cold, each costs us)
         self._tail_arrays = cpu_seal.row_arrays(self.tail_k, self.tail_v) if self._compiled_writes else None
-        # (the page views, (their rows, cpu_seal.seal_arrays of the tails and those rows)) for the compiled seals
-        self._seal_arrays: tuple | None = None
+        # (the page views, the cpu_seal.StepWrites into them and the tails) for the compiled writes
+        self._writes: tuple | None = None
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
         self._rows: _Rows | None = None
@@ -334,14 +334,14 @@ class PagedLayer:
     def _step_writes(self, pools: dict[str, torch.Tensor]) -> cpu_seal.StepWrites | None:
         """The compiled writes into these pages (made once per set of page views), or None where the seal is not
         compiled (a float tail on another device, numba missing, a spec :func:`cpu_seal.supports` refuses)."""
-        if self._seal_arrays is not None and self._seal_arrays[0] is pools:
-            return self._seal_arrays[1]
+        if self._writes is not None and self._writes[0] is pools:
+            return self._writes[1]
         specs = (self.format.key, self.format.value)
         if not (self._compiled_writes and all(map(cpu_seal.supports, specs))):
             return None
         rows = tuple(tuple(pools.get(f"{p}_{part}_bytes") for part in ("data", "scale", "zero")) for p in "kv")
         writes = cpu_seal.StepWrites((self.tail_k, self.tail_v), rows, specs)
-        self._seal_arrays = (pools, writes)
+        self._writes = (pools, writes)
         return writes
 
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
