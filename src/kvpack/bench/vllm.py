@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvpack.errors import ConfigError
+from kvpack.integrations.vllm.config import names_block
 from kvpack.integrations.vllm.engine import run_engine
 from kvpack.plans import parse_plan
 from kvpack.sizing import MODEL_DTYPE_BYTES
@@ -153,7 +154,7 @@ def provider_job(name: str) -> dict[str, Any]:
     space, as for a user who gives none). ``name`` is a key of :data:`PROVIDERS` or a kvpack format string."""
     fmt, dtype = PROVIDERS.get(name, (name, "auto"))
     block: int | None = 64 if fmt is None else parse_plan(fmt).base.block_size  # a bad format stops here
-    if fmt is not None and "block=" not in fmt.replace(" ", "").lower():
+    if fmt is not None and not names_block(fmt):
         block = None  # what a user who names no block gets: the backend's choice for the space (config.serve_block)
     return {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
 

@@ -148,18 +148,18 @@ def seal_step(
     ids: np.ndarray,
     specs: tuple[QuantSpec, QuantSpec],
     rows: tuple[tuple, tuple],
-    arrays: tuple | None = None,
 ) -> bool:
     """Gather and seal a step's filled blocks, keys and values, in one compiled call: what :func:`gather_blocks`
     then :func:`seal_blocks` for each do, with tails in any of :data:`ROW_DTYPES` (bfloat16 and float16 widened
-    exactly, as :func:`kvpack.quant.quantize` does).
+    exactly, as :func:`kvpack.quant.quantize` does). A :class:`StepWrites` made for this one call (a caller that
+    seals into the same pools step after step keeps its own).
 
     Args:
         tails: ``[capacity, H, T, D]`` the key and value tails; new: ``[N, H, D]`` the step's rows (strided
             views allowed, as vLLM hands them over), the tails' dtype. slots, froms, toks: as in
             :func:`gather_blocks`; ids: ``[K]`` destination rows.
         specs: the key and value specs (:func:`supports` both). rows: ``(data, scale, zero)`` for each, as in
-            :func:`seal_blocks`. arrays: :func:`seal_arrays` of ``tails`` and ``rows`` (None: made here).
+            :func:`seal_blocks`.
 
     Returns:
         False, with nothing written, when a key or value is not finite (raise with
@@ -168,19 +168,7 @@ def seal_step(
     Raises:
         ShapeError: an index outside the tails or the step's rows (nothing read).
     """
-    _, h, t, d = tails[0].shape
-    kind = ROW_DTYPES[tails[0].dtype]
-    slots, froms, toks, ids = _int64(slots, froms, toks, ids)
-    buf_k, buf_v = (np.empty((len(slots), h, t, d), np.float32) for _ in range(2))
-    tk, tv, kd, ks, kz, vd, vs, vz = arrays or seal_arrays(tails, rows)
-    err = _numba().seal_step(
-        tk, tv, *map(_rows_np, new), kind, _f16_table(), slots, froms, toks, ids, buf_k, buf_v,
-        _spec_args(specs[0], h, t, d), kd, ks, kz, _spec_args(specs[1], h, t, d), vd, vs, vz,
-    )  # fmt: skip
-    if err == 2:
-        raise ShapeError(f"seal_step: rows outside the tails {tuple(tails[0].shape)} or the step's "
-                         f"{tuple(new[0].shape)}")  # fmt: skip
-    return err == 0
+    return StepWrites(tails, rows, specs)(row_arrays(*new), *_int64(slots, froms, toks, ids))
 
 
 _NO_ROWS = np.zeros(0, np.int64)

@@ -364,25 +364,6 @@ def seal_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids, 
     return 0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def write_rows(tail_k, tail_v, new_k, new_v, toks, slots, offs):
-    """``tail[slots[i], :, offs[i]] = new[toks[i]]`` for keys and values (any element type, bit for bit).
-    Returns 1, with nothing written, when an index is outside ``tail`` or ``new``; else 0."""
-    cap, h, t, d = tail_k.shape
-    n = new_k.shape[0]
-    for i in range(toks.shape[0]):
-        if not (0 <= toks[i] < n and 0 <= slots[i] < cap and 0 <= offs[i] < t):
-            return 1
-    ud = U64(d)
-    for i in range(toks.shape[0]):
-        k0, s, o = toks[i], slots[i], offs[i]
-        for a in range(h):
-            for c in range(ud):
-                tail_k[s, a, o, c] = new_k[k0, a, c]
-                tail_v[s, a, o, c] = new_v[k0, a, c]
-    return 0
-
-
 @njit(cache=True, nogil=True)
 def _rows_fit(tail, new, toks, slots, offs):
     """Whether every row :func:`write_rows` would copy lies inside ``tail`` and ``new``."""
@@ -392,6 +373,23 @@ def _rows_fit(tail, new, toks, slots, offs):
         if not (0 <= toks[i] < n and 0 <= slots[i] < cap and 0 <= offs[i] < t):
             return False
     return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def write_rows(tail_k, tail_v, new_k, new_v, toks, slots, offs):
+    """``tail[slots[i], :, offs[i]] = new[toks[i]]`` for keys and values (any element type, bit for bit).
+    Returns 1, with nothing written, when an index is outside ``tail`` or ``new``; else 0."""
+    if not _rows_fit(tail_k, new_k, toks, slots, offs):
+        return 1
+    h, d = tail_k.shape[1], tail_k.shape[3]
+    ud = U64(d)
+    for i in range(toks.shape[0]):
+        k0, s, o = toks[i], slots[i], offs[i]
+        for a in range(h):
+            for c in range(ud):
+                tail_k[s, a, o, c] = new_k[k0, a, c]
+                tail_v[s, a, o, c] = new_v[k0, a, c]
+    return 0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -406,7 +404,7 @@ def write_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids,
     rows lie outside the tails or the step's rows, 3 when a tail row does (nothing read or written). ``buf_k``,
     ``buf_v``: ``[>= K, H, T, D]`` float32 scratch (the first ``K`` used); the rest as :func:`seal_step` and
     :func:`write_rows` take them (``wtok``, ``wslot``, ``woff``: the latter's ``toks``, ``slots``, ``offs``)."""
-    if not (_rows_fit(tail_k, new_k, wtok, wslot, woff) and _rows_fit(tail_v, new_v, wtok, wslot, woff)):
+    if not _rows_fit(tail_k, new_k, wtok, wslot, woff):  # checked before the seal writes anything
         return 3
     nk = slots.shape[0]
     if nk:

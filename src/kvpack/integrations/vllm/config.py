@@ -32,6 +32,7 @@ __all__ = [
     "Settings",
     "engine_reasons",
     "layer_index",
+    "names_block",
     "pay_tails",
     "serve_block",
     "settings_from",
@@ -337,7 +338,7 @@ def _space(vllm_config: Any, fmt: KVFormat) -> VllmSpace | None:
                      windows, spec_tokens(vllm_config))  # fmt: skip
 
 
-def _names_block(text: str) -> bool:
+def names_block(text: str) -> bool:
     """Whether a format string fixes its block size (``block=`` in any of its formats)."""
     return "block=" in text.replace(" ", "").lower()
 
@@ -360,7 +361,7 @@ def serve_block(vllm_config: Any, settings: Settings) -> Settings:
     if (
         settings.plan.overrides
         or settings.calibration is not None
-        or _names_block(text)
+        or names_block(text)
         or getattr(cache, "user_specified_block_size", False)
     ):
         return settings

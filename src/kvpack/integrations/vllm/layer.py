@@ -412,8 +412,7 @@ class PagedLayer:
         if self._check_range and not (all_finite(k) and all_finite(v)):
             self._raise_overflow((given, k), (value, v))
         writes = self._step_writes(pools) if not plan.move_src.size else None
-        if writes is not None and plan.write_tok.size:
-            # the common step (no tail moves): the seal and the tail rows in one compiled call
+        if writes is not None:  # no tail moves (the common step): the seal and the tail rows in one compiled call
             new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block, plan.write_tok,
                       plan.write_slot, plan.write_off):  # fmt: skip
