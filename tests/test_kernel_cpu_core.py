@@ -506,3 +506,62 @@ def test_numbas_thread_pool_leaves_torchs_openmp_settings_as_they_were() -> None
     before, after, layer, threads = res.stdout.split()
     assert after == before == "0", (before, after, layer)
     assert threads == "2"
+
+
+def _first_rows(kv: PagedKV, r: int) -> PagedKV:
+    """The view of ``kv``'s first ``r`` sequences over the same pools (as vLLM's layer makes one per batch size)."""
+    import dataclasses
+
+    rows = {f: getattr(kv, f)[:r] for f in ("block_tables", "seq_lens", "tail_k", "tail_v", "sink_k", "sink_v")
+            if getattr(kv, f) is not None}  # fmt: skip
+    return dataclasses.replace(kv, **rows)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "fp8-plain", "k4v2"])
+def test_views_of_one_pool_share_its_spec_vectors_and_decode_alike(name: str) -> None:
+    """A serving engine makes a view for each number of running requests over one layer's pools: the first view
+    makes the spec vectors and the pools' numpy views, the others reuse those objects, and each decodes like the
+    reference; a view over other pools makes its own."""
+    import dataclasses
+
+    kv, _, _ = random_paged_kv(PRESETS[name].with_block_size(16), [50, 23, 70], kv_heads=2, head_dim=64, seed=5)
+    views = [kv, _first_rows(kv, 2), _first_rows(kv, 1)]
+    for v in views:
+        q = torch.randn(v.batch, 4, 64)
+        got, expected = _run(v, q)
+        assert_close(got, expected, *_tol(v), f"{name} batch {v.batch}")
+    states = [cpu_decode._entry(v) for v in views]
+    assert states[0].pools is not None and all(s.pools is states[0].pools for s in states)
+    assert states[1].kp is states[0].kp and states[1].k_data is states[0].k_data
+    other = dataclasses.replace(kv, k_data=kv.k_data.clone())  # the same layout over other memory
+    got, expected = _run(other, torch.randn(3, 4, 64))
+    assert cpu_decode._entry(other).pools is not states[0].pools
+
+
+def test_the_short_path_with_an_output_buffer_computes_what_the_general_path_does() -> None:
+    """A float32 query into a float32 buffer over a view read in place takes the launch with the view's arguments
+    kept (fewer torch calls): bit for bit the same output as without the buffer (one thread: two threads may merge
+    partials in another order), and the same errors for a query or buffer of the wrong shape."""
+    kv, _, _ = random_paged_kv(PRESETS["int4"].with_block_size(16), [50, 23, 70], kv_heads=2, head_dim=64, seed=6)
+    qkv = torch.randn(3, 6 * 64)
+    q = qkv[:, : 4 * 64].view(3, 4, 64)  # strided, as vLLM hands the query over
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        general = cpu_decode.decode_attention(q, kv)
+        assert cpu_decode._entry(kv).fast is not None
+        out = torch.full_like(general, float("nan"))
+        assert cpu_decode.decode_attention(q, kv, out=out) is out
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, general)
+    with pytest.raises(KVPackError, match="out must be"):
+        cpu_decode.decode_attention(q, kv, out=torch.empty(3, 8, 64))
+    with pytest.raises(KVPackError, match="q must be"):
+        cpu_decode.decode_attention(q[:2], kv, out=out[:2])
+    bad = kv.seq_lens.clone()
+    bad[1] = 0
+    empty = _first_rows(kv, 3)
+    empty.seq_lens.copy_(bad)  # the lengths are the caller's: contents are checked on every call
+    with pytest.raises(KVPackError, match="at least one token"):
+        cpu_decode.decode_attention(q, empty, out=out)

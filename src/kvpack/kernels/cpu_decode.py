@@ -236,6 +236,8 @@ class _ViewState:
         self.tables: np.ndarray | None = None
         self.seq_lens: np.ndarray | None = None
         self.sinks: tuple | None = None
+        self.pools: _PoolState | None = None  # shared with the other views of the same pools
+        self.fast: _FastArgs | None = None  # the fixed launch arguments, where they all are (_fast_args)
 
 
 _states: dict[int, tuple[weakref.ref, _ViewState]] = {}
@@ -274,24 +276,10 @@ def _prepare(kv: PagedKV) -> _ViewState:
     if state.ready and state.int_dot == dot:
         return state
     kv.check()
-    nbm = _nb()
-    kp = _params(kv.format.key, kv, kv.k_data, "key")
-    vp = _params(kv.format.value, kv, kv.v_data, "value")
-    tpk, tpv = np.zeros_like(kp), np.zeros_like(vp)
-    # the tails: passthrough rows in natural channel order (cpu_decode_numba.work gives them a query and an accumulator
-    # in that order), so float32 rows are read in place
-    for tp, tail in ((tpk, kv.tail_k), (tpv, kv.tail_v)):
-        tp[nbm.P_KIND] = PayloadKind.FLT
-        tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
-        tp[nbm.P_PER] = 1
-        tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
-        tp[nbm.P_ROW] = kv.head_dim
-        # sequences of a tail read in place are stride(0) apart; one copied per call (_views) is contiguous
-        tp[nbm.P_BST] = _block_stride(tail, "tail") if _inner_contiguous(tail) else tail[0].numel()
-    state.kp, state.vp, state.tpk, state.tpv = kp, vp, tpk, tpv
-    state.k_data, state.v_data = _live(kv.k_data), _live(kv.v_data)
-    state.views = tuple(_live(t) for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier,
-                                           kv.k_outlier_idx))  # fmt: skip
+    pools = _pool_state(kv, dot)
+    state.pools = pools  # kept alive by the views that read these pools
+    state.kp, state.vp, state.tpk, state.tpv = pools.kp, pools.vp, pools.tpk, pools.tpv
+    state.k_data, state.v_data, state.views = pools.k_data, pools.v_data, pools.views
     tails = (_live(kv.tail_k), _live(kv.tail_v))
     state.tails = tails if all(x is not None for x in tails) else None
     state.tables, state.seq_lens = _live_array(kv.block_tables), _live_array(kv.seq_lens)
@@ -299,7 +287,84 @@ def _prepare(kv: PagedKV) -> _ViewState:
     if kv.sink_k is not None and kv.sink_k.is_contiguous() and kv.sink_v.is_contiguous():
         state.sinks = _sink_arrays(kv.sink_k, kv.sink_v)
     state.int_dot, state.ready = dot, True
+    state.fast = _fast_args(kv, state)
     return state
+
+
+def _fast_args(kv: PagedKV, st: _ViewState) -> _FastArgs | None:
+    """The launch arguments that hold for the view's life, where every array is read in place and nothing is
+    checked per call but the lengths and block ids (no outlier channels, no start positions); else None."""
+    parts = (st.tables, st.seq_lens, st.tails, st.k_data, st.v_data, *st.views)
+    if any(p is None for p in parts) or kv.k_outlier is not None or kv.start_pos is not None:
+        return None
+    if kv.sink and st.sinks is None:
+        return None
+    ks, kz, vs, vz, ko, ki = st.views
+    f = _FastArgs()
+    f.batch, f.kv_heads, f.head_dim, f.block_size = kv.batch, kv.kv_heads, kv.head_dim, kv.block_size
+    f.rows = (st.seq_lens, st.tables, _NO_START, -1, f.block_size, f.kv_heads, kv.k_data.shape[0], kv.sink)
+    f.pools = (st.k_data, ks, kz, st.kp, st.v_data, vs, vz, st.vp, *st.tails, st.tpk, st.tpv, _NO_CUT)
+    f.rest = (ko, ki, *(st.sinks if kv.sink else _NO_SINKS))
+    return f
+
+
+class _FastArgs:
+    """:func:`_fast_args`: a view's fixed launch arguments, in :func:`cpu_decode_numba.launch`'s order."""
+
+    __slots__ = ("batch", "block_size", "head_dim", "kv_heads", "pools", "rest", "rows")
+
+
+class _PoolState:
+    """What every view over the same pools and tail layout shares: the spec vectors and the pools' numpy views.
+    A serving engine makes a view for each number of running requests, all over one layer's pools: the first
+    makes these (~0.3 ms), the others find them (:func:`_pool_state`)."""
+
+    __slots__ = ("__weakref__", "k_data", "kp", "tpk", "tpv", "v_data", "views", "vp")
+
+
+# by _pool_key; an entry lives while a view's state holds it (its numpy views hold the pools' memory, so no other
+# tensor can cover the addresses in its key meanwhile)
+_pool_states: weakref.WeakValueDictionary[tuple, _PoolState] = weakref.WeakValueDictionary()
+
+
+def _memory_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+
+
+def _pool_key(kv: PagedKV, dot: bool) -> tuple:
+    """What the spec vectors and the pools' views of a checked view depend on: its format, the pools' memory and
+    layout, and the tails' layout along a sequence (not their batch)."""
+    tails = tuple((t.dtype, t.shape[1:], t.stride()) for t in (kv.tail_k, kv.tail_v))
+    pools = (kv.k_data, kv.k_scale, kv.k_zero, kv.v_data, kv.v_scale, kv.v_zero, kv.k_outlier, kv.k_outlier_idx)
+    return (kv.format, kv.head_dim, dot, tails, *map(_memory_key, pools))
+
+
+def _pool_state(kv: PagedKV, dot: bool) -> _PoolState:
+    """The :class:`_PoolState` of a checked view (made the first time its pools and tail layout are seen)."""
+    key = _pool_key(kv, dot)
+    hit = _pool_states.get(key)
+    if hit is not None:
+        return hit
+    nbm = _nb()
+    st = _PoolState()
+    st.kp = _params(kv.format.key, kv, kv.k_data, "key")
+    st.vp = _params(kv.format.value, kv, kv.v_data, "value")
+    st.tpk, st.tpv = np.zeros_like(st.kp), np.zeros_like(st.vp)
+    # the tails: passthrough rows in natural channel order (cpu_decode_numba.work gives them a query and an accumulator
+    # in that order), so float32 rows are read in place
+    for tp, tail in ((st.tpk, kv.tail_k), (st.tpv, kv.tail_v)):
+        tp[nbm.P_KIND] = PayloadKind.FLT
+        tp[nbm.P_FK] = _FLOAT_KIND[kv.tail_k.dtype]
+        tp[nbm.P_PER] = 1
+        tp[nbm.P_HS] = tp[nbm.P_TS] = tp[nbm.P_CS] = 1
+        tp[nbm.P_ROW] = kv.head_dim
+        # sequences of a tail read in place are stride(0) apart; one copied per call (_views) is contiguous
+        tp[nbm.P_BST] = _block_stride(tail, "tail") if _inner_contiguous(tail) else tail[0].numel()
+    st.k_data, st.v_data = _live(kv.k_data), _live(kv.v_data)
+    st.views = tuple(_live(t) for t in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero, kv.k_outlier,
+                                        kv.k_outlier_idx))  # fmt: skip
+    _pool_states[key] = st
+    return st
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -542,6 +607,10 @@ def decode_attention(
     """
     refuse_rotated(kv)
     prep = _prepare(kv)
+    if prep.fast is not None and tail_cut is None and window is None and out is not None:
+        res = _launch_fast(prep.fast, q, sm_scale, out)
+        if res is not None:
+            return res
     _check_call(q, kv, out)
     nbm = _nb()
     d = kv.head_dim
@@ -584,6 +653,31 @@ def decode_attention(
     if out is not None and not direct:
         return out.copy_(res)
     return res
+
+
+def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: torch.Tensor) -> torch.Tensor | None:
+    """:func:`decode_attention` of a float32 query into a contiguous float32 ``out`` over a view with
+    :class:`_FastArgs` (no window, no tail cuts): the same checks and launch with the view's arguments kept, and
+    fewer torch calls (with the caches cold, as in a serving engine between two calls of a layer, each costs
+    microseconds). None, with nothing done, for any other query or output."""
+    shape = q.shape
+    if q.dtype is not torch.float32 or out.dtype is not torch.float32 or not out.is_contiguous():
+        return None
+    if len(shape) != 3 or shape[0] != f.batch or shape[2] != f.head_dim or shape[1] % f.kv_heads or out.shape != shape:
+        return None  # decode_attention's checks raise
+    qf = q.detach().numpy()
+    if not qf.flags.c_contiguous:
+        qf = np.ascontiguousarray(qf)
+    threads = max(1, torch.get_num_threads())
+    sm = 1.0 / math.sqrt(f.head_dim) if sm_scale is None else float(sm_scale)
+    nbm = _nb()
+    err = (nbm.launch if threads > 1 else nbm.launch_one)(
+        threads, _SERIAL_BLOCKS, *_chunking(f.block_size, threads), *f.rows, qf, *f.pools, np.float32(sm * _LOG2E),
+        *f.rest, _NO_OUT16, out.numpy(), _F32_KIND,
+    )  # fmt: skip
+    if err:
+        _raise_contents(err, f.rows[0], f.rows[1], f.rows[6])
+    return out
 
 
 def query_f32(q: torch.Tensor) -> np.ndarray:
@@ -645,6 +739,7 @@ _NO_ROWS32 = np.empty((0, 1, 1, 1), np.float32)
 _NO_SINKS = (_NO_ROWS16, _NO_ROWS32, _NO_ROWS16, _NO_ROWS32, int(FloatKind.F32))
 _NO_OUT16 = np.empty((0, 1, 1), np.uint16)
 _NO_OUT32 = np.empty((0, 1, 1), np.float32)
+_F32_KIND = int(FloatKind.F32)
 
 
 def _sink_arrays(sink_k: torch.Tensor, sink_v: torch.Tensor) -> tuple:

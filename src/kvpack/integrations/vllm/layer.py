@@ -150,6 +150,12 @@ class StepTensors:
     fused: tuple[FusedPass, ...] = ()
     first_blocks: np.ndarray = dataclasses.field(default_factory=lambda: _NO_BLOCKS)
     serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
+    rows: int = dataclasses.field(init=False)  # R, and W below: read by every layer, asked of torch once a step
+    width: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", int(self.seq_lens.shape[0]))
+        object.__setattr__(self, "width", int(self.block_table.shape[1]))
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_table: torch.Tensor, block_size: int) -> StepTensors:
@@ -312,6 +318,7 @@ class PagedLayer:
         self._writes: tuple | None = None
         self._pools: dict[str, torch.Tensor] | None = None
         self._pools_key: tuple | None = None
+        self._pools_of: torch.Tensor | None = None  # the tensor the pools were last asked of
         self._rows: _Rows | None = None
         self._sinks: _SinkRows | None = None  # this layer's gathered sink rows (see view)
         self._sink_writes = 0  # sink writes into this layer's pages so far: the gathered rows are stale past one
@@ -322,11 +329,15 @@ class PagedLayer:
 
     def pools(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
         """Strided views of ``kv_cache``'s pages (made once per cache tensor)."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(0))
+        ptr = kv_cache.data_ptr()
+        if kv_cache is self._pools_of and ptr == self._pools_key[0]:  # vLLM hands over the same tensor every step
+            return self._pools
+        key = (ptr, tuple(kv_cache.shape), kv_cache.stride(0))
         if self._pools is None or self._pools_key != key:
             self._pools = self.layout.views(kv_cache)
             self._pools_key = key
             self._views, self._backend_of = {}, {}  # views over the old pages
+        self._pools_of = kv_cache
         return self._pools
 
     # -- writes -----------------------------------------------------------------------------------------
@@ -486,8 +497,8 @@ class PagedLayer:
         (``[r, H, B, D]``, one block per request).
         """
         pools = self.pools(kv_cache)
-        r = st.seq_lens.shape[0] if rows is None else rows.shape[0]
-        width = st.block_table.shape[1]
+        r = st.rows if rows is None else rows.shape[0]
+        width = st.width
         if self._rows is None or self._rows.capacity < r:
             self._rows = _Rows.shared(max(self.capacity, r), self, st.block_table.device)
             if self.format.sink:
@@ -589,7 +600,7 @@ class PagedLayer:
         """
         if st.decode_dense:  # every request decodes, request i's query is token i: no gather, no scatter
             kv = self.view(kv_cache, st)
-            q, dst = query[: kv.batch], out[: kv.batch]
+            q, dst = query[: st.rows], out[: st.rows]
             res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window,
                               out=dst if dst.dtype == query.dtype else None)  # fmt: skip
             if res is not dst:
@@ -609,13 +620,23 @@ class PagedLayer:
             by_len.setdefault(int(plan.query_start[i + 1]) - int(plan.query_start[i]), []).append(i)
         for t, rows in by_len.items():
             starts = [int(plan.query_start[i]) for i in rows]
-            q = torch.stack([query[a : a + t] for a in starts])  # [rows, T, Hq, D]
+            # one row (the usual chunked prefill): its query read in place and its output written in place
+            one = len(rows) == 1 and out.dtype == query.dtype
+            if one:
+                q, dst = query[starts[0] : starts[0] + t][None], out[starts[0] : starts[0] + t][None]
+            else:
+                q, dst = torch.stack([query[a : a + t] for a in starts]), None  # [rows, T, Hq, D]
             kv = self.view(kv_cache, st, torch.tensor(rows, device=st.seq_lens.device))
             name = self._decode_backend(q, kv, kernel, chunk=True)
             if name is None:
                 res = paged_attention_reference(q, kv, sm_scale=sm_scale, window=self.window)
             else:
-                res = run_chunk_backend(name, q, kv, sm_scale, self.window)
+                res = run_chunk_backend(name, q, kv, sm_scale, self.window, out=dst)
+            if res is dst:
+                continue
+            if one:
+                dst.copy_(res)
+                continue
             for a, r in zip(starts, res):
                 out[a : a + t] = r.to(out.dtype)
 
