@@ -67,7 +67,8 @@ FAR_BLOCKS = 2
 # 1.09-1.14x as long as 512 tokens, 512 tokens 1.03x as long as 1024, 2048 0.98x (not taken: twice the scratch).
 MULTI_TOKENS = 1024
 # Integer dot products (see cpu_decode_ir._kdot_ir): None = where int_dot_isa() names an instruction set, unless the
-# environment variable KVPACK_CPU_INT_DOT is "0"; True / False force it (tests cover both paths).
+# environment variable KVPACK_CPU_INT_DOT is "0" when a view is first used (reading os.environ costs ~10 us with
+# the caches cold, as in a serving engine); True / False force it, for views old and new (tests cover both paths).
 INT_DOT: bool | None = None
 _I32_MAX = 2**31 - 1
 # The integer path only where its int16 operands keep at least 11 bits (see _int_dot_limit).
@@ -228,6 +229,7 @@ class _ViewState:
         self.reasons: list[str] | None = None  # reasons_unsupported's view part
         self.ready = False  # the fields below are filled (the view passed its checks)
         self.int_dot = False  # int_dot_enabled() when they were: the spec vectors depend on it
+        self.switch: bool | None = None  # INT_DOT when they were (a change makes them again)
         self.kp = self.vp = self.tpk = self.tpv = np.empty(0, np.int64)
         self.k_data: tuple | None = None
         self.v_data: tuple | None = None
@@ -272,9 +274,9 @@ def _live_array(t: torch.Tensor) -> np.ndarray | None:
 def _prepare(kv: PagedKV) -> _ViewState:
     """``kv``'s checked structure, spec vectors and numpy views (see :class:`_ViewState`)."""
     state = _entry(kv)
-    dot = int_dot_enabled()
-    if state.ready and state.int_dot == dot:
+    if state.ready and state.switch is INT_DOT:  # the environment is read when a view is prepared (below)
         return state
+    dot = int_dot_enabled()
     kv.check()
     pools = _pool_state(kv, dot)
     state.pools = pools  # kept alive by the views that read these pools
@@ -286,7 +288,7 @@ def _prepare(kv: PagedKV) -> _ViewState:
     state.sinks = None
     if kv.sink_k is not None and kv.sink_k.is_contiguous() and kv.sink_v.is_contiguous():
         state.sinks = _sink_arrays(kv.sink_k, kv.sink_v)
-    state.int_dot, state.ready = dot, True
+    state.int_dot, state.switch, state.ready = dot, INT_DOT, True
     state.fast = _fast_args(kv, state)
     return state
 
@@ -305,13 +307,14 @@ def _fast_args(kv: PagedKV, st: _ViewState) -> _FastArgs | None:
     f.rows = (st.seq_lens, st.tables, _NO_START, -1, f.block_size, f.kv_heads, kv.k_data.shape[0], kv.sink)
     f.pools = (st.k_data, ks, kz, st.kp, st.v_data, vs, vz, st.vp, *st.tails, st.tpk, st.tpv, _NO_CUT)
     f.rest = (ko, ki, *(st.sinks if kv.sink else _NO_SINKS))
+    f.sm_scale, f.qscale = None, None  # the last call's softmax scale and its qscale argument
     return f
 
 
 class _FastArgs:
     """:func:`_fast_args`: a view's fixed launch arguments, in :func:`cpu_decode_numba.launch`'s order."""
 
-    __slots__ = ("batch", "block_size", "head_dim", "kv_heads", "pools", "rest", "rows")
+    __slots__ = ("batch", "block_size", "head_dim", "kv_heads", "pools", "qscale", "rest", "rows", "sm_scale")
 
 
 class _PoolState:
@@ -457,7 +460,8 @@ def int_dot_isa() -> str | None:
 def int_dot_enabled() -> bool:
     """Whether integer codes (and, with AVX-512 BW, fp8 codes) are multiplied as integers (int16 query and
     weights, exact int32 sums) rather than converted to float32 one by one: where :func:`int_dot_isa`
-    names an instruction set, unless ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise."""
+    names an instruction set, unless ``KVPACK_CPU_INT_DOT=0`` or :data:`INT_DOT` says otherwise (the kernels
+    read it when a view is first used)."""
     if INT_DOT is not None:
         return INT_DOT
     return os.environ.get("KVPACK_CPU_INT_DOT", "1") != "0" and int_dot_isa() is not None
@@ -669,10 +673,12 @@ def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: tor
     if not qf.flags.c_contiguous:
         qf = np.ascontiguousarray(qf)
     threads = max(1, torch.get_num_threads())
-    sm = 1.0 / math.sqrt(f.head_dim) if sm_scale is None else float(sm_scale)
+    if sm_scale != f.sm_scale or f.qscale is None:  # np.float32() costs ~10 us with the caches cold: kept
+        sm = 1.0 / math.sqrt(f.head_dim) if sm_scale is None else float(sm_scale)
+        f.sm_scale, f.qscale = sm_scale, np.float32(sm * _LOG2E)
     nbm = _nb()
     err = (nbm.launch if threads > 1 else nbm.launch_one)(
-        threads, _SERIAL_BLOCKS, *_chunking(f.block_size, threads), *f.rows, qf, *f.pools, np.float32(sm * _LOG2E),
+        threads, _SERIAL_BLOCKS, *_chunking(f.block_size, threads), *f.rows, qf, *f.pools, f.qscale,
         *f.rest, _NO_OUT16, out.numpy(), _F32_KIND,
     )  # fmt: skip
     if err:

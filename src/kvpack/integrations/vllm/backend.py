@@ -285,7 +285,9 @@ class KVPackAttentionImpl(AttentionImpl[KVPackMetadata]):
         self._ensure_layer(md.table.capacity, md.table.slots, query, getattr(layer, "layer_name", None))
         n = md.num_actual_tokens
         assert self._layer is not None
-        self._layer.write(kv_cache, md.plan, key[:n], value[:n])
         out = output.view(-1, self.num_heads, self.head_size)
-        self._layer.attend(kv_cache, md.plan, md.tensors, query[:n], out, self.scale, self.settings.kernel)
+        if query.shape[0] != n:  # padding rows past the real tokens (the CPU runner adds none: no slices, each a
+            query, key, value, out = query[:n], key[:n], value[:n], out[:n]  # torch call of ~10 us, the caches cold)
+        self._layer.write(kv_cache, md.plan, key, value)
+        self._layer.attend(kv_cache, md.plan, md.tensors, query, out, self.scale, self.settings.kernel)
         return output

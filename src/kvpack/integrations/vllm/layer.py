@@ -600,7 +600,7 @@ class PagedLayer:
         """
         if st.decode_dense:  # every request decodes, request i's query is token i: no gather, no scatter
             kv = self.view(kv_cache, st)
-            q, dst = query[: st.rows], out[: st.rows]
+            q, dst = query, out  # one token a request: the step's N tokens are its R rows
             res = run_backend(self._decode_backend(q, kv, kernel), q, kv, sm_scale, self.window,
                               out=dst if dst.dtype == query.dtype else None)  # fmt: skip
             if res is not dst:
