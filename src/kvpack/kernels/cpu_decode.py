@@ -240,6 +240,7 @@ class _ViewState:
         self.sinks: tuple | None = None
         self.pools: _PoolState | None = None  # shared with the other views of the same pools
         self.fast: _FastArgs | None = None  # the fixed launch arguments, where they all are (_fast_args)
+        self.chunk_rows: tuple | None = None  # the chunk kernel's tails and sink rows (cpu_chunk._live_f32)
 
 
 _states: dict[int, tuple[weakref.ref, _ViewState]] = {}
