@@ -549,14 +549,21 @@ def test_the_short_path_with_an_output_buffer_computes_what_the_general_path_doe
     torch.set_num_threads(1)
     try:
         general = cpu_decode.decode_attention(q, kv)
-        assert cpu_decode._entry(kv).fast is not None
-        out = torch.full_like(general, float("nan"))
-        assert cpu_decode.decode_attention(q, kv, out=out) is out
+        fast = cpu_decode._entry(kv).fast
+        assert fast is not None and fast.entry == [None, None]
+        outs = []
+        for _ in range(2):  # the first through numba's dispatcher, the second through the wrapper it found
+            outs.append(torch.full_like(general, float("nan")))
+            assert cpu_decode.decode_attention(q, kv, out=outs[-1]) is outs[-1]
+            assert fast.entry[0] is not None and fast.entry[1] is None
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(out, general)
+    assert torch.equal(outs[0], general) and torch.equal(outs[1], general)
+    out = outs[0]
     with pytest.raises(KVPackError, match="out must be"):
         cpu_decode.decode_attention(q, kv, out=torch.empty(3, 8, 64))
+    with pytest.raises(KVPackError, match="out must be"):
+        cpu_decode.decode_attention(q, kv, out=torch.empty(3, 4, 64, dtype=torch.float16))
     with pytest.raises(KVPackError, match="q must be"):
         cpu_decode.decode_attention(q[:2], kv, out=out[:2])
     bad = kv.seq_lens.clone()

@@ -25,6 +25,7 @@ import math
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -309,13 +310,14 @@ def _fast_args(kv: PagedKV, st: _ViewState) -> _FastArgs | None:
     f.pools = (st.k_data, ks, kz, st.kp, st.v_data, vs, vz, st.vp, *st.tails, st.tpk, st.tpv, _NO_CUT)
     f.rest = (ko, ki, *(st.sinks if kv.sink else _NO_SINKS))
     f.sm_scale, f.qscale = None, None  # the last call's softmax scale and its qscale argument
+    f.entry = [None, None]  # launch_one's and launch's compiled wrappers for these arguments (compiled_entry)
     return f
 
 
 class _FastArgs:
     """:func:`_fast_args`: a view's fixed launch arguments, in :func:`cpu_decode_numba.launch`'s order."""
 
-    __slots__ = ("batch", "block_size", "head_dim", "kv_heads", "pools", "qscale", "rest", "rows", "sm_scale")
+    __slots__ = ("batch", "block_size", "entry", "head_dim", "kv_heads", "pools", "qscale", "rest", "rows", "sm_scale")
 
 
 class _PoolState:
@@ -677,14 +679,31 @@ def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: tor
     if sm_scale != f.sm_scale or f.qscale is None:  # np.float32() costs ~10 us with the caches cold: kept
         sm = 1.0 / math.sqrt(f.head_dim) if sm_scale is None else float(sm_scale)
         f.sm_scale, f.qscale = sm_scale, np.float32(sm * _LOG2E)
-    nbm = _nb()
-    err = (nbm.launch if threads > 1 else nbm.launch_one)(
-        threads, _SERIAL_BLOCKS, *_chunking(f.block_size, threads), *f.rows, qf, *f.pools, f.qscale,
-        *f.rest, _NO_OUT16, out.numpy(), _F32_KIND,
-    )  # fmt: skip
+    args = (threads, _SERIAL_BLOCKS, *_chunking(f.block_size, threads), *f.rows, qf, *f.pools, f.qscale, *f.rest,
+            _NO_OUT16, out.numpy(), _F32_KIND)  # fmt: skip
+    many = threads > 1
+    fn = f.entry[many]
+    if fn is not None:  # every argument's numba type is the first call's (the checks above keep them)
+        err = fn(*args)
+    else:
+        nbm = _nb()
+        disp = nbm.launch if many else nbm.launch_one
+        err = disp(*args)
+        f.entry[many] = compiled_entry(disp, args)
     if err:
         _raise_contents(err, f.rows[0], f.rows[1], f.rows[6])
     return out
+
+
+def compiled_entry(disp: Any, args: tuple) -> Callable[..., Any] | None:
+    """The compiled wrapper numba's dispatcher ``disp`` runs for ``args`` (None where it has compiled none for
+    their types). Called directly, it unboxes the arguments as a call through the dispatcher does, without first
+    typing each one to find it: ~15 us of a decode launch with the caches cold, as in a serving engine (tuples of
+    arrays are typed in Python). A caller must pass arguments of the same numba types as ``args`` every time."""
+    from numba.core.typing.typeof import Purpose, typeof
+
+    cres = disp.overloads.get(tuple(typeof(a, Purpose.argument) for a in args))
+    return None if cres is None else cres.entry_point
 
 
 def query_f32(q: torch.Tensor) -> np.ndarray:
