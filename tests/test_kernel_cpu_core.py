@@ -555,7 +555,7 @@ def test_the_short_path_with_an_output_buffer_computes_what_the_general_path_doe
         for _ in range(2):  # the first through numba's dispatcher, the second through the wrapper it found
             outs.append(torch.full_like(general, float("nan")))
             assert cpu_decode.decode_attention(q, kv, out=outs[-1]) is outs[-1]
-            assert fast.entry[0] is not None and fast.entry[1] is None
+            assert fast.entry[1] is None and fast.entry[0] not in (None, cpu_decode._nb().launch_one)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], general) and torch.equal(outs[1], general)

@@ -689,7 +689,7 @@ def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: tor
         nbm = _nb()
         disp = nbm.launch if many else nbm.launch_one
         err = disp(*args)
-        f.entry[many] = compiled_entry(disp, args)
+        f.entry[many] = compiled_entry(disp, args) or disp  # none found: the dispatcher, not a search every call
     if err:
         _raise_contents(err, f.rows[0], f.rows[1], f.rows[6])
     return out
@@ -697,12 +697,15 @@ def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: tor
 
 def compiled_entry(disp: Any, args: tuple) -> Callable[..., Any] | None:
     """The compiled wrapper numba's dispatcher ``disp`` runs for ``args`` (None where it has compiled none for
-    their types). Called directly, it unboxes the arguments as a call through the dispatcher does, without first
+    their types, or ``disp`` is no dispatcher). Called directly, it unboxes the arguments as a call through the dispatcher does, without first
     typing each one to find it: ~15 us of a decode launch with the caches cold, as in a serving engine (tuples of
     arrays are typed in Python). A caller must pass arguments of the same numba types as ``args`` every time."""
+    overloads = getattr(disp, "overloads", None)  # anything else callable (a test's spy) has none
+    if overloads is None:
+        return None
     from numba.core.typing.typeof import Purpose, typeof
 
-    cres = disp.overloads.get(tuple(typeof(a, Purpose.argument) for a in args))
+    cres = overloads.get(tuple(typeof(a, Purpose.argument) for a in args))
     return None if cres is None else cres.entry_point
 
 
