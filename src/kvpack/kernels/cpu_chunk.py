@@ -199,7 +199,7 @@ def chunk_attention(
 def _live_f32(t: torch.Tensor | None) -> np.ndarray | None:
     """A contiguous float32 tensor's numpy view, which the view's state keeps (the tensor is the view's for its
     life, its contents the caller's); None for anything else: converted on every call."""
-    return t.detach().numpy() if t is not None and t.dtype == torch.float32 and t.is_contiguous() else None
+    return cpu_decode._live_array(t.detach()) if t is not None and t.dtype == torch.float32 else None
 
 
 def _set_threads() -> None:

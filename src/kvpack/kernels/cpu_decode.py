@@ -229,8 +229,7 @@ class _ViewState:
     def __init__(self) -> None:
         self.reasons: list[str] | None = None  # reasons_unsupported's view part
         self.ready = False  # the fields below are filled (the view passed its checks)
-        self.int_dot = False  # int_dot_enabled() when they were: the spec vectors depend on it
-        self.switch: bool | None = None  # INT_DOT when they were (a change makes them again)
+        self.switch: bool | None = None  # INT_DOT when they were made (a change makes them again)
         self.kp = self.vp = self.tpk = self.tpv = np.empty(0, np.int64)
         self.k_data: tuple | None = None
         self.v_data: tuple | None = None
@@ -290,7 +289,7 @@ def _prepare(kv: PagedKV) -> _ViewState:
     state.sinks = None
     if kv.sink_k is not None and kv.sink_k.is_contiguous() and kv.sink_v.is_contiguous():
         state.sinks = _sink_arrays(kv.sink_k, kv.sink_v)
-    state.int_dot, state.switch, state.ready = dot, INT_DOT, True
+    state.switch, state.ready = INT_DOT, True
     state.fast = _fast_args(kv, state)
     return state
 

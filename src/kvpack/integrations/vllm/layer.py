@@ -425,7 +425,7 @@ class PagedLayer:
             self._raise_overflow((given, k), (value, v))
         writes = self._step_writes(pools) if not plan.move_src.size else None
         if writes is not None:  # no tail moves (the common step): the seal and the tail rows in one compiled call
-            new = (k.numpy(), v.numpy()) if same and self.tail_dtype is torch.float32 else cpu_seal.row_arrays(k, v)
+            new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block, plan.write_tok,
                       plan.write_slot, plan.write_off):  # fmt: skip
                 self._write_sinks(pools, plan, k, v)
@@ -634,9 +634,6 @@ class PagedLayer:
             else:
                 res = run_chunk_backend(name, q, kv, sm_scale, self.window, out=dst)
             if res is dst:
-                continue
-            if one:
-                dst.copy_(res)
                 continue
             for a, r in zip(starts, res):
                 out[a : a + t] = r.to(out.dtype)
