@@ -12,3 +12,27 @@ def commit() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def write_results(out: str, fields: dict, t0: float) -> dict:
+    """Write ``fields`` as JSON to ``out`` (atomically), with the commit, the machine, torch's version and the
+    seconds since ``t0`` beside them; print where it went. Returns what was written."""
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from kvpack.fsutil import atomic_write_text
+
+    doc = {
+        **fields,
+        "commit": commit(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 1),
+    }
+    atomic_write_text(Path(out), json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote {out} ({doc['seconds']} s)")
+    return doc

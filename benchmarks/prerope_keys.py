@@ -14,21 +14,17 @@ through the same simulate engine (:mod:`kvpack.evaluation.simulate`), so their d
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import pydoc_data.topics
 import time
-from pathlib import Path
 
 import torch
-from _meta import commit
+from _meta import write_results
 from format_families import pooled
 
 from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
 from kvpack.evaluation.simulate import roundtrip_blocks
 from kvpack.formats import KVFormat, parse_format, split_formats
-from kvpack.fsutil import atomic_write_text
 from kvpack.models.stress import add_key_bias
 
 DEFAULT = "int4;int4,block=32;fp8;fp8-plain;k=fp8:channel:asym,v=fp8:head,sink=1;int8;k4v2"
@@ -137,20 +133,15 @@ def main() -> None:
             print(
                 f"  {f:44s} {a['kl_mean']:.2e} ({100 * a['top1']:.1f}%) -> {b['kl_mean']:.2e} ({100 * b['top1']:.1f}%)"
             )
-    doc = {
+    fields = {
         "benchmark": "prerope_keys",
         "engine": "simulate",
-        "commit": commit(),
         "tokens": args.tokens,
         "offsets": offsets,
         "threads": args.threads,
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "seconds": round(time.time() - t0, 1),
         "results": rows,
     }
-    atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {args.out} ({doc['seconds']} s)")
+    write_results(args.out, fields, t0)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,17 @@ own seal, channels given per block), values as the format's; everything else is 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import pydoc_data.topics
 import time
-from pathlib import Path
 
 import torch
-from _meta import commit
+from _meta import write_results
 from format_families import pooled
 
 from kvpack.cache.write import seal_outliers
 from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
 from kvpack.formats import parse_format
-from kvpack.fsutil import atomic_write_text
 from kvpack.models.stress import add_key_bias
 from kvpack.outliers import apply_residual
 from kvpack.quant import dequantize
@@ -163,21 +159,16 @@ def main() -> None:
         print(f"\n{m}: KL mean (p99, top-1)")
         for n, v in rows[m].items():
             print(f"  {n:36s} {v['bits']:.3f} bits  {v['kl_mean']:.2e} ({v['kl_p99']:.2e}, {100 * v['top1']:.1f}%)")
-    doc = {
+    fields = {
         "benchmark": "query_weighted_outliers",
         "engine": "simulate",
-        "commit": commit(),
         "tokens": args.tokens,
         "offsets": offsets,
         "calibration_offsets": calib,
         "threads": args.threads,
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "seconds": round(time.time() - t0, 1),
         "results": rows,
     }
-    atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {args.out} ({doc['seconds']} s)")
+    write_results(args.out, fields, t0)
 
 
 if __name__ == "__main__":
