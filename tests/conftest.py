@@ -12,17 +12,17 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# The test files that take longest (minutes of vLLM engines, the bounds-checked kernels' compile), longest first, as measured with the CPU kernels
-# compiled beforehand (what `make test` does). pytest-xdist (`--dist loadfile --no-loadscope-reorder`, what `make
-# test` runs; without the flag it re-sorts files by their number of tests) hands files to its workers in collection
-# order, a worker getting the next file as it nears the end of its last; collected by name, these would all come
-# last and leave one worker running them while the other idles. Sorted to the front, the short files fill in around
-# them.
+# The test files that take longest (minutes of vLLM engines, the bounds-checked kernels' compile), longest first,
+# as measured with the CPU kernels compiled beforehand (what `make test` does). pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, what `make test` runs; without the flag it re-sorts files by their number of tests) hands
+# files to its workers in collection order, a worker getting the next file as it nears the end of its last;
+# collected by name, these would all come last and leave one worker running them while the other idles. Sorted to
+# the front, the short files fill in around them.
 LONG_FILES = (
     "test_vllm_engine.py", "test_vllm_sliding.py", "test_vllm_parallel.py", "test_vllm_families.py",
-    "test_kernel_cpu_bounds.py", "test_format_families.py", "test_vllm_engine_lifecycle.py", "test_kernel_triton.py", "test_hf_embedded.py",
-    "test_vllm_serve.py", "test_kernel_cpu.py", "test_kernel_triton_chunk.py", "test_vllm_layer.py",
-    "test_kernel_cpu_chunk.py",
+    "test_kernel_cpu_bounds.py", "test_format_families.py", "test_vllm_engine_lifecycle.py", "test_kernel_triton.py",
+    "test_hf_embedded.py", "test_vllm_serve.py", "test_kernel_cpu.py", "test_kernel_triton_chunk.py",
+    "test_vllm_layer.py", "test_kernel_cpu_chunk.py",
 )  # fmt: skip
 
 
