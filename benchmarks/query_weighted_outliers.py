@@ -28,20 +28,20 @@ from kvpack.evaluation.fidelity import teacher_forced
 from kvpack.evaluation.runner import Runner, load
 from kvpack.formats import parse_format
 from kvpack.models.stress import add_key_bias
-from kvpack.outliers import apply_residual
+from kvpack.outliers import apply_residual, seal_time_channels
 from kvpack.quant import dequantize
 
-# (name, format, kept channels, ranked by): ``range`` is kvpack's choice (abs-max over the block, as
-# seal_time_channels), ``query`` the query-weighted one; None keeps the format's own seal
+# (name, format, ranked by): the format's key spec says how many channels are kept; ``range`` is kvpack's choice
+# (:func:`kvpack.outliers.seal_time_channels`), ``query`` the query-weighted one; None keeps the format's own seal
 VARIANTS = [
-    ("int4", "int4", 0, None),
-    ("int4,block=32 (for comparison)", "int4,block=32", 0, None),
-    ("int4, 2 kept by range", "k=int4:channel:asym:o2,v=int4:g32:asym,sink=1", 2, "range"),
-    ("int4, 2 kept by query x range", "k=int4:channel:asym:o2,v=int4:g32:asym,sink=1", 2, "query"),
-    ("int4, 4 kept by range (int4-o4)", "int4-o4", 4, "range"),
-    ("int4, 4 kept by query x range", "int4-o4", 4, "query"),
-    ("int4, 8 kept by range", "k=int4:channel:asym:o8,v=int4:g32:asym,sink=1", 8, "range"),
-    ("int4, 8 kept by query x range", "k=int4:channel:asym:o8,v=int4:g32:asym,sink=1", 8, "query"),
+    ("int4", "int4", None),
+    ("int4,block=32 (for comparison)", "int4,block=32", None),
+    ("int4, 2 kept by range", "k=int4:channel:asym:o2,v=int4:g32:asym,sink=1", "range"),
+    ("int4, 2 kept by query x range", "k=int4:channel:asym:o2,v=int4:g32:asym,sink=1", "query"),
+    ("int4, 4 kept by range (int4-o4)", "int4-o4", "range"),
+    ("int4, 4 kept by query x range", "int4-o4", "query"),
+    ("int4, 8 kept by range", "k=int4:channel:asym:o8,v=int4:g32:asym,sink=1", "range"),
+    ("int4, 8 kept by query x range", "k=int4:channel:asym:o8,v=int4:g32:asym,sink=1", "query"),
 ]
 
 
@@ -78,12 +78,13 @@ def _layer_class():
     from kvpack.evaluation.simulate import _layer_class as simulated
 
     class ChosenChannelsLayer(simulated()):
-        """The simulate engine's layer whose sealed keys keep ``k`` channels per block and kv head, ranked by the
-        block's range (``by="range"``) or by that range squared times the queries' energy (``by="query"``)."""
+        """The simulate engine's layer whose sealed keys keep the key spec's outlier channels per block and kv head,
+        ranked by the block's range (``by="range"``) or by that range squared times the queries' energy
+        (``by="query"``)."""
 
-        def __init__(self, fmt, k: int, by: str | None, energy: torch.Tensor | None):
+        def __init__(self, fmt, by: str | None, energy: torch.Tensor | None):
             super().__init__(fmt)
-            self.k, self.by, self.energy = k, by, energy
+            self.by, self.energy = by, energy
 
         def seal_keys(self, keys: torch.Tensor, s: slice) -> torch.Tensor:
             if self.by is None:
@@ -92,11 +93,12 @@ def _layer_class():
             b, h, t, d = x.shape
             bs = self.fmt.block_size
             flat = x.reshape(b, h, t // bs, bs, d).permute(0, 2, 1, 3, 4).reshape(-1, h, bs, d)  # [n, H, B, D]
+            k = self.fmt.key.outliers
             if self.by == "range":
-                score = flat.abs().amax(-2)
+                channels = seal_time_channels(flat, k)  # [n, H, k]
             else:
                 score = self.energy[None] * (flat.amax(-2) - flat.amin(-2)).pow(2)
-            channels = score.topk(self.k, dim=-1).indices.sort(dim=-1).values  # [n, H, k]
+                channels = score.topk(k, dim=-1).indices.sort(dim=-1).values
             qt, _, (residual, idx) = seal_outliers(flat, self.fmt.key, None, channels)
             rec = apply_residual(dequantize(qt, torch.float32), residual, idx)
             rec = rec.reshape(b, t // bs, h, bs, d).permute(0, 2, 1, 3, 4).reshape(b, h, t, d)
@@ -122,14 +124,13 @@ def measure(model: str, tokens: int, offsets: list[int], calib: list[int]) -> di
     for off in offsets:
         doc = ids[off : off + tokens]
         caches = {
-            name: Cache(layers=[layer(parse_format(f), k, by, energy[i]) for i in layers])
-            for name, f, k, by in VARIANTS
+            name: Cache(layers=[layer(parse_format(f), by, energy[i]) for i in layers]) for name, f, by in VARIANTS
         }
         for n, x in teacher_forced(r.forward, doc, DynamicCache(), caches, chunk=128).items():
             kl[n].append(x.kl.flatten())
             agree[n].append(x.agree.flatten().float())
     out = {n: pooled(kl[n], agree[n]) for n in kl}
-    for name, f, _, _ in VARIANTS:
+    for name, f, _ in VARIANTS:
         out[name]["format"] = f
         out[name]["bits"] = parse_format(f).bits_per_element(lm.model.config.num_key_value_heads, _head_dim(lm))
     return out

@@ -696,9 +696,10 @@ def _launch_fast(f: _FastArgs, q: torch.Tensor, sm_scale: float | None, out: tor
 
 def compiled_entry(disp: Any, args: tuple) -> Callable[..., Any] | None:
     """The compiled wrapper numba's dispatcher ``disp`` runs for ``args`` (None where it has compiled none for
-    their types, or ``disp`` is no dispatcher). Called directly, it unboxes the arguments as a call through the dispatcher does, without first
-    typing each one to find it: ~15 us of a decode launch with the caches cold, as in a serving engine (tuples of
-    arrays are typed in Python). A caller must pass arguments of the same numba types as ``args`` every time."""
+    their types, or ``disp`` is no dispatcher). Called directly, it unboxes the arguments as a call through the
+    dispatcher does, without first typing each one to find it: ~15 us of a decode launch with the caches cold, as in
+    a serving engine (tuples of arrays are typed in Python). A caller must pass arguments of the same numba types as
+    ``args`` every time."""
     overloads = getattr(disp, "overloads", None)  # anything else callable (a test's spy) has none
     if overloads is None:
         return None
