@@ -2,6 +2,11 @@
 
     python benchmarks/format_families.py [--tokens 1024] [--formats fp8,fp8-plain,...] [--models embedded,biased,gemma3-270m]
     python benchmarks/format_families.py --tokens 512 --offsets 5000,9000,13000 --models gemma3-270m  # pooled windows
+    python benchmarks/format_families.py --calibrate --formats 'int4,block=32;k=int4:channel:asym:o2q,v=int4:g32:asym,sink=1'
+
+``--calibrate`` first calibrates each model (stress model included) on 16 windows of 256 tokens of the same prose that
+overlap none of the measured windows, and hands the artifact to every format: formats with static scales or
+query-ranked outlier channels (``o<N>q``) need it.
 
 The stress model is the embedded SmolLM2-135M with a planted ``k_proj`` bias (:func:`kvpack.models.stress.add_key_bias`),
 the feature of the Qwen2 family that made the former ``fp8`` preset (rotated, not centred) fall behind plain e4m3.
@@ -35,15 +40,34 @@ def pooled(kl: list[torch.Tensor], agree: list[torch.Tensor]) -> dict[str, float
     return {"kl_mean": float(k.mean()), "kl_p99": float(k.quantile(0.99)), "top1": float(a.mean())}
 
 
-def measure(model: str, tokens: int, formats: list[str], offsets: list[int]) -> dict[str, dict[str, float]]:
+def held_out_calibration(lm, text: str, offsets: list[int], tokens: int):
+    """A calibration artifact of ``lm`` from 16 windows of 256 tokens of ``text`` that overlap none of the measured
+    windows (``tokens`` tokens from each offset; one more on each side for a tokenizer's BOS)."""
+    from kvpack.calibration.run import calibrate
+
+    return calibrate(
+        lm.model,
+        lm.tokenizer,
+        percentiles=(),
+        text=text,
+        exclude=[max(0, o - 1) for o in offsets],
+        exclude_len=tokens + 2,
+    )
+
+
+def measure(
+    model: str, tokens: int, formats: list[str], offsets: list[int], calibrate: bool = False
+) -> dict[str, dict[str, float]]:
     """Each format's KL mean, p99 and top-1 agreement over ``tokens`` tokens of prose from each offset, pooled
     (every token of every window weighs the same)."""
     biased = model == "biased"
     lm = load(None if model in ("embedded", "biased") else model)
-    ids = lm.tokenizer(" ".join(pydoc_data.topics.topics.values()))["input_ids"]
+    text = " ".join(pydoc_data.topics.topics.values())
+    ids = lm.tokenizer(text)["input_ids"]
     if biased:
         add_key_bias(lm.model, ids[:256])
-    r = Runner(lm, engine="kvpack")
+    artifact = held_out_calibration(lm, text, offsets, tokens) if calibrate else None
+    r = Runner(lm, engine="kvpack", calibration=artifact)
     kl: dict[str, list[torch.Tensor]] = {f: [] for f in formats}
     agree: dict[str, list[torch.Tensor]] = {f: [] for f in formats}
     for off in offsets:
@@ -67,6 +91,7 @@ def main() -> None:
         help="embedded, biased (the embedded model with a k_proj bias), or registered test models (gemma3-270m, ...)",
     )
     ap.add_argument("--offsets", default="5000", help="token offsets of the prose windows, pooled (e.g. 5000,9000)")
+    ap.add_argument("--calibrate", action="store_true", help="calibrate each model on held-out windows first")
     ap.add_argument("--out", default="benchmarks/results/format_families.json")
     args = ap.parse_args()
     from kvpack.formats import split_formats
@@ -76,7 +101,7 @@ def main() -> None:
     t0 = time.time()
     names = {"embedded": "embedded", "biased": "embedded + k_proj bias"}
     offsets = [int(o) for o in args.offsets.split(",")]
-    rows = {names.get(m, m): measure(m, args.tokens, formats, offsets) for m in args.models.split(",")}
+    rows = {names.get(m, m): measure(m, args.tokens, formats, offsets, args.calibrate) for m in args.models.split(",")}
     print(f"{'format':36s} " + " ".join(f"{m:>28s}" for m in rows))
     for f in formats:
         cells = [f"KL {rows[m][f]['kl_mean']:.2e} top-1 {100 * rows[m][f]['top1']:.1f}%" for m in rows]

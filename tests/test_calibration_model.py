@@ -90,6 +90,23 @@ def test_observer_sees_keys_after_rope(tiny):
         assert not torch.allclose(keys.absmax[layer], before), "observed keys must be post-RoPE"
 
 
+def test_observer_sees_queries_as_attention_reads_them(tiny):
+    """The queries' mean square per kv head and channel: each kv head's query heads (GQA) averaged, after RoPE, and
+    the model's attention implementation restored afterwards."""
+    model, tok = tiny
+    ids, _ = calibration_windows(tok, 3, 48, seed=1)
+    before = model.config._attn_implementation
+    obs = KVObserver(())
+    observe_model(model, ids, obs, batch_size=2)  # two batches: the sums must add up across calls
+    assert model.config._attn_implementation == before
+    energy = obs.query_energy()
+    assert energy.shape == (LAYERS, KV_HEADS, HEAD_DIM) and energy.dtype == torch.float32
+    for layer, (q, _, _) in enumerate(capture_qkv(model, ids)):
+        want = q.pow(2).reshape(3, KV_HEADS, HEADS // KV_HEADS, 48, HEAD_DIM).mean(dim=(0, 2, 3))
+        torch.testing.assert_close(energy[layer], want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(energy[0, 0], energy[0, 1]), "kv heads must not be pooled together"
+
+
 def test_calibrate_command_end_to_end(tiny_dir, tmp_path, capsys):
     out = tmp_path / "calib"
     args = ["calibrate", "--model", str(tiny_dir), "--samples", "3", "--seq-len", "32", "--out", str(out)]
@@ -102,6 +119,7 @@ def test_calibrate_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert art.source == "rope" and art.data["samples"] == 3 and art.data["seq_len"] == 32
     assert art.key_scales.scale.shape == (LAYERS, KV_HEADS, 1, HEAD_DIM) and art.value_scales is None
     assert art.fingerprint["kv_heads"] == KV_HEADS
+    assert art.query_energy.shape == (LAYERS, KV_HEADS, HEAD_DIM) and bool((art.query_energy > 0).all())
     cfg.num_key_value_heads = 4
     with pytest.raises(CalibrationError, match="kv_heads: artifact 2, model 4"):
         load_artifact(out, model=cfg)

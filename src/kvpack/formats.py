@@ -252,6 +252,12 @@ class QuantSpec:
     int16 when head_dim > 256). The channels are the block's ``k`` largest by abs-max, chosen at seal time,
     or a calibration artifact's top-k per layer and head (copied into each block). ``0 < k < head_dim``.
 
+    ``query_ranked=True`` (``o<k>q``) ranks a block's channels by ``E[q_c^2] * spread_c^2`` instead: the
+    queries' mean energy in channel ``c`` (per layer and kv head, from a calibration artifact's query
+    statistics) times the channel's squared spread in the block (its range for an asymmetric spec, twice its
+    abs-max for a symmetric one). A key channel's error reaches the score through the query, so this keeps the
+    channels whose error the queries would read. Same bytes and kernels as ``o<k>``; needs the artifact.
+
     ``rotate=True`` (keys only) stores keys multiplied by a fixed orthogonal matrix ``R`` (a random-sign
     Hadamard, :func:`kvpack.rotation.key_rotation`; block-diagonal where head_dim is not a power of two): ``k @ R`` spreads a few
     outlier channels over all of them, so per-head scales and fp8's relative error treat every channel
@@ -267,6 +273,7 @@ class QuantSpec:
     static: bool = False
     outliers: int = 0
     rotate: bool = False
+    query_ranked: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -274,6 +281,12 @@ class QuantSpec:
         if isinstance(self.outliers, bool) or not isinstance(self.outliers, int) or self.outliers < 0:
             raise FormatError(
                 f"outliers (key channels kept per kv head) must be an integer >= 0, got {self.outliers!r}"
+            )
+        if not isinstance(self.query_ranked, bool):
+            raise FormatError(f"query_ranked must be a bool, got {self.query_ranked!r}")
+        if self.query_ranked and not self.outliers:
+            raise FormatError(
+                "query_ranked ranks outlier channels by the queries, and this spec keeps none: give o<N>q (N > 0)"
             )
         if self.dtype.is_passthrough:
             if self.outliers:
@@ -409,7 +422,7 @@ class QuantSpec:
         if self.static:
             parts.append("static")
         if self.outliers:
-            parts.append(f"o{self.outliers}")
+            parts.append(f"o{self.outliers}" + ("q" if self.query_ranked else ""))
         if self.rotate:
             parts.append("rot")
         return ":".join(parts)
@@ -528,6 +541,12 @@ class KVFormat:
     @property
     def has_outliers(self) -> bool:
         return self.key.has_outliers
+
+    @property
+    def query_ranked(self) -> bool:
+        """The key spec ranks its outlier channels by the queries (``o<N>q``): a calibration artifact must hold
+        query statistics."""
+        return self.key.query_ranked
 
     def bytes_per_token(self, kv_heads: int, head_dim: int, layers: int = 1) -> float:
         """Sealed bytes per token over ``layers`` layers (a block's bytes divided by its tokens)."""
@@ -759,7 +778,7 @@ def preset(name: str) -> KVFormat:
 # String syntax:  PRESET[,block=N][,sink=N][,tail=T]   or   k=SPEC,v=SPEC[,block=N][,sink=N][,tail=T]   or
 #                 kv=SPEC[,...]
 # SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8 | static
-#        | o<N> (keys only: N outlier channels per kv head kept in full precision)
+#        | o<N> (keys only: N outlier channels per kv head kept in full precision) | o<N>q (ranked by the queries)
 
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
@@ -776,7 +795,8 @@ SYNTAX_HELP = (
     "custom 'k=SPEC,v=SPEC[,block=N][,sink=N][,tail=T]' (or 'kv=SPEC'), where SPEC is DTYPE[:FIELD...] with DTYPE in "
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
     "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
-    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals, and 'rot' "
+    "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals ('o<N>q' ranks "
+    "them by the queries' energy, from a calibration artifact), and 'rot' "
     "(keys only) to store keys rotated by a fixed Hadamard matrix. "
     "'sink=N' keeps the first N positions of every sequence (the attention sink) also in full precision "
     "(0 <= N <= block; 2 x kv_heads x N x head_dim tail-dtype bytes per sequence and layer). "
@@ -795,7 +815,7 @@ def _field_kind(field: str, is_group: bool) -> str | None:
         return "static"
     if field in ("rot", "rotate"):
         return "rotation"
-    if re.fullmatch(r"o(?:utliers)?[0-9]+", field):
+    if re.fullmatch(r"o(?:utliers)?[0-9]+q?", field):
         return "outliers"
     if field in _GRAN_NAMES or is_group:
         return "granularity"
@@ -820,6 +840,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     scale = ScaleDType.FP16
     static = False
     outliers = 0
+    query_ranked = False
     rotate = False
     seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
@@ -829,7 +850,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
                 "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static, "
-                "o<N> (outlier key channels), rot (rotated keys)"
+                "o<N> or o<N>q (outlier key channels, ranked by range or by the queries), rot (rotated keys)"
             )
         if kind in seen:
             raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
@@ -847,6 +868,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
                     "move it to the k= spec (with kv=, give k= and v= separately)"
                 )
             outliers = int(re.sub(r"[^0-9]", "", p))
+            query_ranked = p.endswith("q")
             if outliers <= 0:
                 raise FormatError(f"{p!r} in the {role} spec {text!r}: o<N> keeps N > 0 channels; drop it for none")
         elif group:
@@ -861,7 +883,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate)
+    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate, query_ranked)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:

@@ -4,7 +4,9 @@ A few key channels per head run much larger than the rest, for every token. A ke
 ``outliers=k`` keeps ``k`` channels per kv head of each sealed block in full precision:
 
 1. choose the channels: the block's ``k`` largest by abs-max over its tokens (:func:`seal_time_channels`),
-   or given (a calibration artifact's top-k per layer and head, copied into every block);
+   or, for ``o<k>q``, by the queries' energy times the channel's squared spread in the block
+   (:func:`query_ranked_channels`), or given (a calibration artifact's top-k per layer and head, copied into
+   every block);
 2. quantize with the kept channels left out of the scales (:func:`quantize_kept`): scales come from the
    block with the kept channels *neutrally filled* (:func:`neutral_fill`), and each kept element stores
    whichever code makes it reconstruct best (the fill's, or its own clipped to the scales' range);
@@ -43,6 +45,7 @@ __all__ = [
     "outlier_residual",
     "quantize_kept",
     "quantize_outliers",
+    "query_ranked_channels",
     "seal_time_channels",
     "select_outlier_channels",
 ]
@@ -69,6 +72,39 @@ def seal_time_channels(x: torch.Tensor, k: int) -> torch.Tensor:
     if not 0 <= k <= x.shape[-1]:
         raise ShapeError(f"k must be in [0, head_dim={x.shape[-1]}], got {k}")
     return x.float().abs().amax(-2).topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def query_ranked_channels(x: torch.Tensor, k: int, energy: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """The ``k`` channels per head of each block whose quantization error the queries read most.
+
+    An int channel's error in a block grows with its spread there (the range ``max - min`` for an asymmetric
+    spec, ``2 * abs-max`` for a symmetric one), and reaches the score ``q . k`` weighted by the query in that
+    channel: channels are ranked by ``energy * spread^2``. Ties (channels no query reads) fall to the wider one.
+
+    Args:
+        x: ``[..., kv_heads, block_size, head_dim]`` float, finite.
+        k: channels kept per head, ``0 <= k <= head_dim``.
+        energy: ``[kv_heads, head_dim]`` (or ``[..., kv_heads, head_dim]``) float32, ``>= 0``, finite: the
+            queries' mean square per channel, averaged over each kv head's query heads.
+        symmetric: the key spec is symmetric.
+
+    Returns:
+        ``[..., kv_heads, k]`` int64 channel indices, ascending.
+    """
+    d = x.shape[-1]
+    if not 0 <= k <= d:
+        raise ShapeError(f"k must be in [0, head_dim={d}], got {k}")
+    if energy.shape[-2:] != x.shape[-3:-2] + x.shape[-1:]:
+        raise ShapeError(
+            f"query energy must be [..., kv_heads, head_dim] = [..., {x.shape[-3]}, {d}], got {tuple(energy.shape)}"
+        )
+    xf = x.float()
+    spread = 2 * xf.abs().amax(-2) if symmetric else xf.amax(-2) - xf.amin(-2)  # [..., H, D]
+    score = energy.to(xf.device, torch.float32) * spread.square()
+    # ties in the score (energy 0) fall to the wider channel: sort by spread, then stably by score
+    order = torch.argsort(spread, dim=-1, descending=True, stable=True)
+    order = order.gather(-1, torch.argsort(score.gather(-1, order), dim=-1, descending=True, stable=True))
+    return order[..., :k].sort(dim=-1).values
 
 
 def outlier_mask(channels: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

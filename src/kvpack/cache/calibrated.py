@@ -10,7 +10,9 @@ blocks sealed with different scales are never shared.
 A key spec with outlier channels takes its channels from an :class:`~kvpack.calibration.Artifact` when one
 is given (the top-k of the observed key abs-max per layer and head, :func:`resolve_outlier_channels`);
 without an artifact (or with bare :class:`CalibratedScales`, which carry no statistics) they are chosen per
-block at seal time. An artifact given to a format that has neither static specs nor outlier channels is
+block at seal time. A query-ranked key spec (``o<k>q``) takes the artifact's query statistics instead
+(:func:`resolve_query_energy`) and chooses per block by them; without an artifact that holds them it is refused.
+An artifact given to a format that has neither static specs nor outlier channels is
 refused: it would be ignored.
 """
 
@@ -27,7 +29,14 @@ from kvpack.errors import CalibrationError
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.quant import decode_scale, scale_torch_dtype
 
-__all__ = ["channels_digest", "resolve_calibration", "resolve_outlier_channels", "scales_digest"]
+__all__ = [
+    "channels_digest",
+    "energy_digest",
+    "resolve_calibration",
+    "resolve_outlier_channels",
+    "resolve_query_energy",
+    "scales_digest",
+]
 
 
 def _check_role(
@@ -133,12 +142,13 @@ def resolve_outlier_channels(
     device: torch.device,
 ) -> torch.Tensor | None:
     """The calibrated outlier key channels ``[num_layers, kv_heads, k]`` int64 on ``device``, or ``None``
-    (chosen per block at seal time): only a format with ``outliers`` and an :class:`Artifact` give channels.
+    (chosen per block at seal time): only a format with ``outliers`` ranked by range and an :class:`Artifact`
+    give channels.
 
     Raises:
         CalibrationError: the artifact's key statistics do not have this cache's geometry.
     """
-    if not fmt.has_outliers or not isinstance(calibration, Artifact):
+    if not fmt.has_outliers or fmt.query_ranked or not isinstance(calibration, Artifact):
         return None
     from kvpack.outliers import artifact_outlier_channels
 
@@ -148,4 +158,52 @@ def resolve_outlier_channels(
 def channels_digest(channels: torch.Tensor) -> str:
     """A hex digest of calibrated outlier channels (blocks sealed with other channels hold other bytes)."""
     data = channels.detach().to(torch.int64).contiguous().cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def resolve_query_energy(
+    fmt: KVFormat,
+    calibration: CalibratedScales | Artifact | None,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The queries' mean square per channel ``[num_layers, kv_heads, head_dim]`` float32 on ``device`` that a
+    query-ranked key spec (``o<k>q``) ranks outlier channels by; ``None`` for any other format.
+
+    Raises:
+        CalibrationError: a query-ranked format without an :class:`Artifact`, with one that holds no query
+            statistics (made before they were recorded, or from a model whose attention kvpack could not
+            observe), or with statistics of another geometry.
+    """
+    if not fmt.query_ranked:
+        return None
+    how = f"run `kvpack calibrate --format '{fmt.spec_string()}' --out DIR` and pass the artifact (calibration=DIR)"
+    if not isinstance(calibration, Artifact):
+        got = "none" if calibration is None else "bare scales, which carry no statistics"
+        raise CalibrationError(
+            f"format {fmt.name!r} ranks outlier key channels by the queries' energy, which a calibration artifact "
+            f"holds, and got {got}; {how}"
+        )
+    energy = calibration.query_energy
+    if energy is None:
+        raise CalibrationError(
+            f"format {fmt.name!r} ranks outlier key channels by the queries' energy, and the calibration artifact "
+            f"holds no query statistics (made by an older kvpack, or its model's attention was not observed); {how}"
+        )
+    want = (num_layers, kv_heads, head_dim)
+    if tuple(energy.shape) != want:
+        raise CalibrationError(
+            f"the calibration artifact's query statistics have shape {tuple(energy.shape)}, this cache needs "
+            f"layers x kv_heads x head_dim = {want}: the artifact was made for another model; recalibrate"
+        )
+    if not bool(torch.isfinite(energy).all()) or bool((energy < 0).any()):
+        raise CalibrationError("the calibration artifact's query statistics hold negative or non-finite values")
+    return energy.to(device, torch.float32)
+
+
+def energy_digest(energy: torch.Tensor) -> str:
+    """A hex digest of query statistics (blocks ranked by other statistics may keep other channels)."""
+    data = energy.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()

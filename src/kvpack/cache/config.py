@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpack.cache.calibrated import channels_digest, resolve_calibration, resolve_outlier_channels, scales_digest
+from kvpack.cache.calibrated import (
+    channels_digest,
+    energy_digest,
+    resolve_calibration,
+    resolve_outlier_channels,
+    resolve_query_energy,
+    scales_digest,
+)
 from kvpack.calibration.artifact import Artifact, CalibratedScales
 from kvpack.errors import ConfigError, ShapeError
 from kvpack.formats import KVFormat, parse_format
@@ -49,6 +56,8 @@ class CacheConfig:
         calibration: the checked static scales (on ``device``), or ``None``.
         outlier_channels: ``[L, H, k]`` int64 calibrated outlier key channels, or ``None``: chosen per block
             at seal time.
+        query_energy: ``[L, H, D]`` float32, the queries' mean square per channel (a calibration artifact's), by
+            which a query-ranked key spec (``o<k>q``) ranks each block's outlier channels; ``None`` otherwise.
         key_rotation: ``[D, D]`` float32 on ``device``: keys are stored as ``k @ R``; ``None`` without rotation.
         salt: names the storage in prefix keys (format, geometry, scale and channel digests), so blocks of
             other storage never match.
@@ -64,6 +73,7 @@ class CacheConfig:
     seal_backend: str
     calibration: CalibratedScales | None
     outlier_channels: torch.Tensor | None
+    query_energy: torch.Tensor | None
     key_rotation: torch.Tensor | None
     salt: str
 
@@ -100,12 +110,15 @@ class CacheConfig:
         geometry = (num_layers, kv_heads, head_dim, dev)
         scales = resolve_calibration(fmt, calibration, *geometry)
         channels = resolve_outlier_channels(fmt, calibration, *geometry)
+        energy = resolve_query_energy(fmt, calibration, *geometry)
         windows = _parse_window(window, num_layers)
         salt = f"{fmt.spec_string()}|kv_heads={kv_heads}|head_dim={head_dim}"
         if scales is not None:  # blocks sealed with other scales hold other bytes: never share them
             salt += f"|scales={scales_digest(scales)}"
         if channels is not None:
             salt += f"|outliers={channels_digest(channels)}"
+        if energy is not None:
+            salt += f"|queries={energy_digest(energy)}"
         rotation = key_rotation(head_dim, dev) if fmt.key.rotate else None
         return cls(
             fmt,
@@ -118,6 +131,7 @@ class CacheConfig:
             seal_backend,
             scales,
             channels,
+            energy,
             rotation,
             salt,
         )

@@ -33,9 +33,23 @@ from kvpack.cache.prefix import PrefixIndex
 from kvpack.cache.slots import Batch, SlotTable
 from kvpack.cache.storage import BlockStorage
 from kvpack.calibration.static import ClipMonitor, LayerScales, seal_with_static
-from kvpack.errors import NonFiniteError, PoolExhaustedError, SequenceError, ShapeError, UnsupportedError
+from kvpack.errors import (
+    CalibrationError,
+    NonFiniteError,
+    PoolExhaustedError,
+    SequenceError,
+    ShapeError,
+    UnsupportedError,
+)
 from kvpack.formats import QuantSpec
-from kvpack.outliers import check_channels, outlier_mask, outlier_residual, quantize_kept, seal_time_channels
+from kvpack.outliers import (
+    check_channels,
+    outlier_mask,
+    outlier_residual,
+    quantize_kept,
+    query_ranked_channels,
+    seal_time_channels,
+)
 from kvpack.quant import QuantizedTensor, _raise_non_finite, all_finite, quantize
 from kvpack.rotation import rotate
 
@@ -163,6 +177,7 @@ def seal_outliers(
     spec: QuantSpec,
     scales: LayerScales | None = None,
     channels: torch.Tensor | None = None,
+    energy: torch.Tensor | None = None,
 ) -> tuple[QuantizedTensor, int, tuple[torch.Tensor, torch.Tensor]]:
     """Seal keys with outlier channels, always in torch: choose (or take) the channels, quantize with the
     kept channels left out of the scales (:func:`kvpack.outliers.quantize_kept`; with static ``scales`` when
@@ -171,12 +186,25 @@ def seal_outliers(
     Args:
         blocks: ``[n, H, B, D]`` full blocks.
         channels: ``[H, k]`` calibrated channels of this layer, or ``None`` to choose per block.
+        energy: ``[H, D]`` float32, the queries' mean square per channel of this layer (a calibration
+            artifact's): a query-ranked spec (``o<k>q``) needs it and chooses per block by it
+            (:func:`kvpack.outliers.query_ranked_channels`).
+
+    Raises:
+        CalibrationError: a query-ranked spec without ``energy``.
 
     Returns ``(qt, clipped, (residual [n, H, B, k] float16, idx [n, H, k]))``.
     """
     if not all_finite(blocks):  # before the channel choice: a NaN must be reported, not filled
         _raise_non_finite(blocks)
-    if channels is None:
+    if spec.query_ranked:
+        if energy is None:
+            raise CalibrationError(
+                f"{spec} ranks its outlier channels by the queries, and no query statistics were given; pass a "
+                "calibration artifact made by `kvpack calibrate` (calibration=DIR)"
+            )
+        channels = query_ranked_channels(blocks, spec.outliers, energy, not spec.has_zero)
+    elif channels is None:
         channels = seal_time_channels(blocks, spec.outliers)
     check_channels(channels, blocks)
     if spec.static:
@@ -223,7 +251,8 @@ def _quantize(config: CacheConfig, state: SealState, blocks, spec, what, layer, 
     try:
         if spec.has_outliers:
             channels = None if config.outlier_channels is None else config.outlier_channels[layer]
-            return seal_outliers(blocks, spec, scales, channels)
+            energy = None if config.query_energy is None else config.query_energy[layer]
+            return seal_outliers(blocks, spec, scales, channels, energy)
         return (*seal(config.seal_backend, state, blocks, spec, scales), None)
     except NonFiniteError as e:
         where = []

@@ -6,7 +6,9 @@ An artifact is a directory with two files:
   ``keys.min``, ``keys.max``, ``keys.rms`` ``[layers, kv_heads, head_dim]`` float32, ``keys.tokens``
   ``[layers]`` int64, ``keys.percentile`` ``[layers, P, kv_heads, head_dim]`` float32; the same under
   ``values.``) and the static scales for the artifact's format (``keys.scale`` / ``keys.zero``
-  ``[layers, Hs, 1, Cs]`` in the stored scale dtype; ``values.*`` likewise where values can be static);
+  ``[layers, Hs, 1, Cs]`` in the stored scale dtype; ``values.*`` likewise where values can be static) and,
+  when the model's queries were observed, ``queries.energy`` ``[layers, kv_heads, head_dim]`` float32 (their
+  mean square per kv head and channel, the weight of query-ranked outlier channels ``o<k>q``);
 * ``kvpack_calibration.json``: the manifest: format, range source, model fingerprint, the data used
   (name, samples, seq_len, seed, a hash of the token ids), kvpack version, the percentiles, the sha256 of
   the tensor file, and a sha256 of the manifest itself.
@@ -88,6 +90,8 @@ class Artifact:
             spec cannot be static (per-token, per-group, passthrough).
         kvpack_version: the version that made it.
         model: informational (for example ``name_or_path``); never compared.
+        query_energy: ``[layers, kv_heads, head_dim]`` float32, the queries' mean square per channel (each kv
+            head's query heads averaged), or ``None`` where queries were not observed.
     """
 
     format: KVFormat
@@ -100,6 +104,7 @@ class Artifact:
     value_scales: StaticScales | None = None
     kvpack_version: str = ""
     model: dict[str, Any] = field(default_factory=dict)
+    query_energy: torch.Tensor | None = None
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -112,11 +117,13 @@ class Artifact:
         data: dict[str, Any],
         source: str = "absmax",
         model: dict[str, Any] | None = None,
+        query_energy: torch.Tensor | None = None,
     ) -> Artifact:
         """Compute the static scales for ``format`` from the statistics and assemble the artifact.
 
         Raises:
-            CalibrationError: the statistics do not have the fingerprint's shape, or ``source`` is missing.
+            CalibrationError: the statistics (or ``query_energy``) do not have the fingerprint's shape, or
+                ``source`` is missing.
         """
         from kvpack import __version__
 
@@ -128,17 +135,31 @@ class Artifact:
                     f"{role} statistics have shape {tuple(st.absmax.shape)}, the model fingerprint says "
                     f"layers x kv_heads x head_dim = {want}; observe the same model the fingerprint describes"
                 )
+        if query_energy is not None:
+            if tuple(query_energy.shape) != want:
+                raise CalibrationError(
+                    f"query statistics have shape {tuple(query_energy.shape)}, the model fingerprint says {want}"
+                )
+            query_energy = query_energy.detach().float().cpu().contiguous()
         fmt.check(fingerprint["head_dim"])
         ks = static_scales(keys, fmt.key, "key", source) if spec_takes_static(fmt.key) else None
         vsource = value_source(source)
         vs = static_scales(values, fmt.value, "value", vsource) if spec_takes_static(fmt.value) else None
-        return cls(fmt, source, dict(fingerprint), dict(data), keys, values, ks, vs, __version__, dict(model or {}))
+        info = dict(model or {})
+        return cls(fmt, source, dict(fingerprint), dict(data), keys, values, ks, vs, __version__, info, query_energy)
 
     def rescaled(self, format: str | KVFormat, source: str | None = None) -> Artifact:
         """The same statistics with scales recomputed for another format or range source (an explicit step:
         loading never converts an artifact silently)."""
         return Artifact.build(
-            self.keys, self.values, format, self.fingerprint, self.data, source or self.source, self.model
+            self.keys,
+            self.values,
+            format,
+            self.fingerprint,
+            self.data,
+            source or self.source,
+            self.model,
+            query_energy=self.query_energy,
         )
 
     # -- checks ---------------------------------------------------------------------------------------
@@ -211,6 +232,8 @@ class Artifact:
                 out[f"{role}.scale"] = sc.scale.contiguous()
                 if sc.zero is not None:
                     out[f"{role}.zero"] = sc.zero.contiguous()
+        if self.query_energy is not None:
+            out["queries.energy"] = self.query_energy.float().contiguous()
         return out
 
     @property
@@ -363,6 +386,7 @@ def load_artifact(directory: str | Path, *, model: Any = None, format: str | KVF
         value_scales=_scales(tensors, "values", fmt.value, source),
         kvpack_version=manifest["kvpack_version"],
         model=manifest.get("model", {}),
+        query_energy=tensors.get("queries.energy"),
     )
     if model is not None:
         art.check_model(model)

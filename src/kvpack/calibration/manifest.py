@@ -196,6 +196,9 @@ def check_tensors(d: Path, t: dict[str, torch.Tensor], fmt: KVFormat, fp: dict[s
         spec = fmt.key if role == "keys" else fmt.value
         _check_scales(d, t, role, spec, layers, h, hd)
         expected |= {f"{role}.scale", f"{role}.zero"} & set(t)
+    if "queries.energy" in t:  # optional: present when the model's queries were observed
+        _finite(d, "queries.energy", _tensor(d, t, "queries.energy", (layers, h, hd), torch.float32), lo=0.0)
+        expected.add("queries.energy")
     extra = sorted(set(t) - expected)
     if extra:
         raise CalibrationError(f"calibration artifact {d} is invalid: unexpected tensors {extra}; recalibrate")

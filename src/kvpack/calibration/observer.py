@@ -11,14 +11,18 @@ capped at the exact abs-max, so it never underestimates the true percentile and 
 most one bin.
 
 Keys are seen after RoPE through a transformers cache whose ``update`` records statistics
-(:func:`observing_cache`): the cache is the host's extension point, no model code is touched.
+(:func:`observing_cache`): the cache is the host's extension point, no model code is touched. Queries (as the
+attention reads them: after QK-norm and RoPE) are seen through a registered attention function
+(:func:`observing_attention`); of them only the mean square per kv head and channel is kept (the energy a
+query-ranked outlier spec, ``o<k>q``, ranks key channels by).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +35,7 @@ __all__ = [
     "RoleStats",
     "bin_upper_edges",
     "magnitude_bins",
+    "observing_attention",
     "observing_cache",
 ]
 
@@ -181,6 +186,61 @@ class KVObserver:
         self.percentiles = tuple(sorted({float(p) for p in percentiles}))
         self._keys: dict[int, _LayerAccumulator] = {}
         self._values: dict[int, _LayerAccumulator] = {}
+        self._queries: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (sum of q^2 [H, D] float64, count)
+
+    def observe_queries(self, layer_idx: int, query_states: torch.Tensor, kv_heads: int) -> None:
+        """Add one batch of one layer's queries.
+
+        Args:
+            layer_idx: the layer.
+            query_states: ``[batch, heads, tokens, head_dim]`` floating point, as the attention reads them.
+            kv_heads: the layer's kv heads; query head ``h`` reads kv head ``h // (heads // kv_heads)``.
+
+        Raises:
+            ShapeError: wrong rank or dtype, heads not a multiple of ``kv_heads``, or a shape that differs from
+                earlier calls of this layer.
+            NonFiniteError: NaN or inf in the batch; nothing is recorded.
+        """
+        q = query_states
+        if q.dim() != 4 or not q.is_floating_point():
+            raise ShapeError(
+                f"query_states must be a float tensor [batch, heads, tokens, head_dim], got {tuple(q.shape)}"
+            )
+        b, hq, t, d = q.shape
+        if kv_heads <= 0 or hq % kv_heads:
+            raise ShapeError(f"{hq} query heads do not split over {kv_heads} kv heads")
+        if not torch.isfinite(q).all():
+            raise NonFiniteError(
+                f"non-finite queries in layer {layer_idx}; calibration text must run cleanly through the model",
+                [{"layer": layer_idx}],
+            )
+        sq = q.detach().double().square().reshape(b, kv_heads, hq // kv_heads, t, d).sum(dim=(0, 2, 3))  # [H, D]
+        n = b * (hq // kv_heads) * t
+        old = self._queries.get(layer_idx)
+        if old is not None and tuple(old[0].shape) != tuple(sq.shape):
+            raise ShapeError(
+                f"layer {layer_idx} queries were observed as kv_heads x head_dim {tuple(old[0].shape)}, now "
+                f"{tuple(sq.shape)}; use one observer per model"
+            )
+        self._queries[layer_idx] = (sq, n) if old is None else (old[0] + sq, old[1] + n)
+
+    def query_energy(self) -> torch.Tensor | None:
+        """The queries' mean square per layer, kv head and channel, ``[layers, kv_heads, head_dim]`` float32
+        (each kv head's query heads averaged); ``None`` when no query was observed.
+
+        Raises:
+            CalibrationError: some layers' queries were observed and others' not (their keys were).
+        """
+        if not self._queries:
+            return None
+        n = max(max(self._queries), max(self._keys, default=-1)) + 1
+        missing = [i for i in range(n) if i not in self._queries]
+        if missing:
+            raise CalibrationError(
+                f"queries of layers {missing} were never observed while others were; every attention layer must "
+                "go through the observing attention function"
+            )
+        return torch.stack([(s / c).float() for s, c in (self._queries[i] for i in range(n))]).cpu()
 
     def observe(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Add one batch of one layer.
@@ -265,3 +325,28 @@ def observing_cache(observer: KVObserver, config: object = None) -> object:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return _ObservingCache(config=config)
+
+
+def observing_attention(observer: KVObserver, model: Any) -> Callable[[], None]:
+    """Route ``model``'s attention through a function that hands each layer's queries to ``observer`` and then
+    runs SDPA (the forward pass is unchanged). Returns the function that restores the previous implementation.
+
+    Imports transformers when called. A model whose attention layers do not call the attention interface is
+    left as it is: no query is observed, and :meth:`KVObserver.query_energy` is ``None``.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def observe(module, query, key, value, attention_mask, **kwargs):
+        observer.observe_queries(module.layer_idx, query, key.shape[1])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_OBSERVE, observe)
+    AttentionMaskInterface.register(_OBSERVE, sdpa_mask)
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    model.set_attn_implementation(_OBSERVE)
+    return lambda: model.set_attn_implementation(previous)
+
+
+_OBSERVE = "kvpack_observe"

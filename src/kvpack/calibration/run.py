@@ -106,15 +106,21 @@ def calibration_windows(
 @torch.no_grad()
 def observe_model(model: Any, input_ids: torch.Tensor, observer: KVObserver, batch_size: int = 4) -> None:
     """Run ``input_ids`` ``[samples, seq_len]`` int64 through ``model`` (a transformers causal LM) in batches,
-    feeding every layer's keys (after RoPE) and values to ``observer``. Only the decoder runs (no LM head)."""
+    feeding every layer's queries and keys (after RoPE) and values to ``observer``. Only the decoder runs (no LM
+    head)."""
+    from kvpack.calibration.observer import observing_attention
     from kvpack.integrations.transformers import cache_kwarg
 
     body = getattr(model, "base_model", model)
     key = cache_kwarg(body)
     device = next(model.parameters()).device
-    for i in range(0, input_ids.shape[0], batch_size):
-        batch = input_ids[i : i + batch_size].to(device)
-        body(input_ids=batch, use_cache=True, **{key: observing_cache(observer, model.config)})
+    restore = observing_attention(observer, model)
+    try:
+        for i in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[i : i + batch_size].to(device)
+            body(input_ids=batch, use_cache=True, **{key: observing_cache(observer, model.config)})
+    finally:
+        restore()
 
 
 def calibrate(
@@ -128,12 +134,16 @@ def calibrate(
     format: str | KVFormat = DEFAULT_FORMAT,
     source: str | None = None,
     batch_size: int = 4,
+    text: str | None = None,
+    exclude: Sequence[int] = (),
+    exclude_len: int = 0,
 ) -> Artifact:
     """Observe ``samples`` windows of calibration text and return the artifact (not yet saved).
 
     ``source`` picks the statistic the static scales come from: ``"rope"`` (the RoPE pair bound for keys,
     abs-max for values), ``"absmax"``, or ``"p<P>"`` (added to ``percentiles`` if missing); ``None`` means
-    :func:`default_source` of the format.
+    :func:`default_source` of the format. ``text``, ``exclude`` and ``exclude_len`` are
+    :func:`calibration_windows`' (another corpus; windows of it to keep out, such as those an evaluation reads).
     """
     from kvpack.calibration.observer import parse_source
 
@@ -142,11 +152,12 @@ def calibrate(
     if source not in ("absmax", "rope"):
         pct.add(parse_source(source))
     observer = KVObserver(sorted(pct))
-    ids, data = calibration_windows(tokenizer, samples, seq_len, seed)
+    ids, data = calibration_windows(tokenizer, samples, seq_len, seed, exclude, exclude_len, text)
     observe_model(model, ids, observer, batch_size)
     keys, values = observer.stats()
     info = {"name_or_path": str(getattr(model.config, "name_or_path", "") or getattr(model, "name_or_path", ""))}
-    return Artifact.build(keys, values, format, fingerprint_from_config(model.config), data, source, info)
+    fp = fingerprint_from_config(model.config)
+    return Artifact.build(keys, values, format, fp, data, source, info, query_energy=observer.query_energy())
 
 
 def load_model(path: str | None) -> tuple[Any, Any]:

@@ -225,7 +225,8 @@ class Runner:
 
             layer_formats = list(layer_formats)
             scales = [None if f is None else self.scales_for(f) for f in layer_formats]
-            return SimulatedCache(layer_formats, scales=scales)
+            ranked = next((f for f in layer_formats if f is not None and f.query_ranked), None)
+            return SimulatedCache(layer_formats, scales=scales, query_energy=self.query_energy(ranked))
         if fmt is None:
             return DynamicCache()
         if is_plan(fmt):  # a per-layer plan (kvpack.plans): the kvpack engine's layered cache, or the simulation
@@ -241,8 +242,16 @@ class Runner:
             from kvpack.evaluation.simulate import SimulatedCache
 
             n = self.lm.num_layers
-            return SimulatedCache([fmt] * n, zero_keys=fmt.name in self.zero_keys_for, scales=[scales] * n)
+            return SimulatedCache(
+                [fmt] * n,
+                zero_keys=fmt.name in self.zero_keys_for,
+                scales=[scales] * n,
+                query_energy=self.query_energy(fmt),
+            )
         extra = {} if scales is None else {"calibration": scales}
+        if fmt.query_ranked:  # the artifact itself: its query statistics rank the outlier channels
+            self.query_energy(fmt)  # refuses a missing artifact with the command that makes one
+            extra = {"calibration": self._artifact_for(fmt)}
         cache = _cache_for()(
             self.lm.model, format=fmt, max_tokens=max_tokens, batch_size=1, backend=self.backend, **extra
         )
@@ -264,11 +273,36 @@ class Runner:
             )
         key = fmt.spec_string()
         if key not in self._scales:
-            from kvpack.calibration.run import default_source
-
-            art = self.calibration.rescaled(fmt, source=default_source(fmt))
-            self._scales[key] = art.scales_for(fmt)
+            self._scales[key] = self._artifact_for(fmt).scales_for(fmt)
         return self._scales[key]
+
+    def _artifact_for(self, fmt: KVFormat) -> Any:
+        """The runner's artifact with its scales recomputed for ``fmt`` (static formats), else as it is."""
+        if not fmt.is_static:
+            return self.calibration
+        from kvpack.calibration.run import default_source
+
+        return self.calibration.rescaled(fmt, source=default_source(fmt))
+
+    def query_energy(self, fmt: KVFormat | None) -> torch.Tensor | None:
+        """The calibration's query statistics ``[layers, kv_heads, head_dim]`` when ``fmt`` ranks its outlier key
+        channels by the queries (``o<k>q``); ``None`` for any other format.
+
+        Raises:
+            ConfigError: no calibration artifact was given.
+            CalibrationError: the artifact holds no query statistics, or of another geometry.
+        """
+        if fmt is None or not fmt.query_ranked:
+            return None
+        if self.calibration is None:
+            raise ConfigError(
+                f"format {fmt.name!r} ranks outlier key channels by the queries' energy, which a calibration artifact "
+                "holds, and none was given; run `kvpack calibrate --out DIR` and pass --calibration DIR"
+            )
+        from kvpack.cache.calibrated import resolve_query_energy
+
+        lm = self.lm
+        return resolve_query_energy(fmt, self.calibration, lm.num_layers, lm.kv_heads, lm.head_dim, torch.device("cpu"))
 
     def _is_kvpack(self, cache: Any) -> bool:
         return type(cache).__name__ == "KVPackCache"

@@ -34,7 +34,13 @@ if TYPE_CHECKING:
 __all__ = ["SimulatedCache", "roundtrip_blocks"]
 
 
-def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales | None = None) -> torch.Tensor:
+def roundtrip_blocks(
+    x: torch.Tensor,
+    spec,
+    block_size: int,
+    scales: LayerScales | None = None,
+    energy: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Quantize and dequantize whole blocks of ``x``.
 
     Args:
@@ -42,6 +48,8 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
         spec: the :class:`kvpack.formats.QuantSpec` of the blocks.
         block_size: tokens per block.
         scales: the layer's calibrated scales when ``spec`` is static (required then).
+        energy: ``[kv_heads, head_dim]`` float32, the layer's query statistics when ``spec`` ranks its outlier
+            channels by the queries (required then).
 
     Returns:
         The reconstructed ``[batch, kv_heads, n * block_size, head_dim]`` in ``x.dtype``.
@@ -56,7 +64,7 @@ def roundtrip_blocks(x: torch.Tensor, spec, block_size: int, scales: LayerScales
     if spec.static and scales is None:
         raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
     if spec.outliers:  # the cache's own seal; channels chosen per block, as without a calibration artifact
-        qt, _, (residual, idx) = seal_outliers(flat, spec, scales)
+        qt, _, (residual, idx) = seal_outliers(flat, spec, scales, None, energy)
         rec = apply_residual(dequantize(qt, torch.float32), residual, idx)
     elif spec.static:
         rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
@@ -89,12 +97,14 @@ def _layer_class():
             zero_keys: bool = False,
             key_scales: LayerScales | None = None,
             value_scales: LayerScales | None = None,
+            key_energy: torch.Tensor | None = None,
         ):
             super().__init__()
             self.fmt = fmt
             self.zero_keys = zero_keys
             self.key_scales = key_scales
             self.value_scales = value_scales
+            self.key_energy = key_energy  # [kv_heads, head_dim]: o<k>q ranks outlier channels by it
             self.sealed = 0  # tokens already replaced by their reconstruction
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -125,7 +135,9 @@ def _layer_class():
         def seal_keys(self, keys: torch.Tensor, s: slice) -> torch.Tensor:
             """The reconstruction of the whole blocks ``keys[..., s, :]`` (``[batch, kv_heads, T, head_dim]``) as the
             format's sealed payload gives them back; a subclass may seal them another way."""
-            return roundtrip_blocks(keys[..., s, :], self.fmt.key, self.fmt.block_size, self.key_scales)
+            return roundtrip_blocks(
+                keys[..., s, :], self.fmt.key, self.fmt.block_size, self.key_scales, self.key_energy
+            )
 
         def crop(self, tokens_to_remove: int) -> None:
             super().crop(tokens_to_remove)
@@ -141,6 +153,7 @@ def SimulatedCache(
     formats: Sequence[KVFormat | None],
     zero_keys: bool = False,
     scales: Sequence[CalibratedScales | None] | None = None,
+    query_energy: torch.Tensor | None = None,
 ):
     """A transformers ``Cache`` with one simulated layer per entry of ``formats`` (``None``: full precision).
 
@@ -149,6 +162,8 @@ def SimulatedCache(
         zero_keys: test hook: sealed keys become zeros (a planted broken format that must be caught).
         scales: one entry per layer: the calibrated scales of a static format (layer ``i`` takes its own
             layer's scales), ``None`` for others.
+        query_energy: ``[layers, kv_heads, head_dim]`` float32, a calibration artifact's query statistics: layers
+            whose key spec ranks outlier channels by the queries (``o<k>q``) need it.
     """
     from transformers.cache_utils import Cache
 
@@ -160,5 +175,11 @@ def SimulatedCache(
     for i, (f, sc) in enumerate(zip(formats, scales, strict=True)):
         ks = sc.key.layer(i) if sc is not None and sc.key is not None else None
         vs = sc.value.layer(i) if sc is not None and sc.value is not None else None
-        layers.append(layer(f, zero_keys, ks, vs))
+        ranked = f is not None and f.query_ranked
+        if ranked and query_energy is None:
+            raise ConfigError(
+                f"layer {i}'s format {f.name!r} ranks outlier key channels by the queries; give the calibration "
+                "artifact's query statistics (kvpack calibrate --out DIR, then --calibration DIR)"
+            )
+        layers.append(layer(f, zero_keys, ks, vs, query_energy[i] if ranked else None))
     return Cache(layers=layers)

@@ -285,7 +285,7 @@ def _parse(name: str, num_layers: int, head_dim: int) -> Format:
     Raises:
         FormatError: it does not parse, a format cannot store ``head_dim``, or the plan names a layer the model
             does not have.
-        ConfigError: a plan with calibrated (``static``) formats.
+        ConfigError: a plan with formats that take an artifact (``static``, ``o<N>q``).
     """
     if not is_plan(name):
         fmt = parse_format(name)
@@ -296,11 +296,12 @@ def _parse(name: str, num_layers: int, head_dim: int) -> Format:
     plan.formats(num_layers)  # its layers exist
     if plan.is_uniform:
         return plan.base
-    static = [f.name for f in plan.distinct_formats if f.is_static]
+    static = [f.name for f in plan.distinct_formats if f.is_static or f.query_ranked]
     if static:
         raise ConfigError(
-            f"plan {name!r}: its formats {static} take calibrated scales, which kvpack eval applies to single formats "
-            "only; evaluate the static format alone (--formats with --calibration), or plan with dynamic formats"
+            f"plan {name!r}: its formats {static} take calibrated scales or query statistics from an artifact, "
+            "which kvpack eval applies to single formats only; evaluate the format alone (--formats with "
+            "--calibration), or plan with formats that need no artifact"
         )
     return plan
 
@@ -397,16 +398,19 @@ def _run_eval(
     cfg = replace(cfg, lengths=resolve_lengths(cfg.lengths, lm.max_context))
     formats = {name: _parse(name, lm.num_layers, lm.head_dim) for name in cfg.formats}
     static = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.is_static]
+    ranked = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.query_ranked]
     artifact = None
     if cfg.calibration is not None:
         from kvpack.calibration import load_artifact
 
         artifact = load_artifact(cfg.calibration, model=lm.model)  # refuses another model's artifact
-    elif static:
-        raise ConfigError(
-            f"formats {static} take calibrated scales; run `kvpack calibrate --out DIR` and pass --calibration DIR"
-        )
+    elif static or ranked:
+        need = [f"formats {static} take calibrated scales"] if static else []
+        need += [f"formats {ranked} rank outlier key channels by the queries"] if ranked else []
+        raise ConfigError(" and ".join(need) + "; run `kvpack calibrate --out DIR` and pass --calibration DIR")
     runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, calibration=artifact, **runner_kw)
+    for name in ranked:  # before any text runs: an artifact without query statistics is refused now
+        runner.query_energy(formats[name])
     too_long = [n for n in cfg.lengths if lm.max_context and n + QUESTION_ROOM > lm.max_context]
     if too_long:
         raise ConfigError(

@@ -528,7 +528,7 @@ def _resolve_calibration(
     """
     from pathlib import Path
 
-    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels
+    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels, resolve_query_energy
     from kvpack.calibration.artifact import Artifact, load_artifact
 
     if isinstance(calibration, (str, Path)):
@@ -538,6 +538,7 @@ def _resolve_calibration(
     cpu = torch.device("cpu")
     resolve_calibration(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
     resolve_outlier_channels(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+    resolve_query_energy(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
     return calibration
 
 

@@ -35,23 +35,28 @@ class LayerCalibration:
         channels: ``[kv_heads, k]`` int64, the artifact's outlier key channels of the layer (key specs with
             outlier channels), else None: chosen per block at seal time.
         layer: the layer's number (its clip monitor's warnings name it).
+        energy: ``[kv_heads, head_dim]`` float32, the queries' mean square per channel of the layer (key specs
+            with query-ranked outlier channels, ``o<k>q``), else None.
     """
 
     key: LayerScales | None
     value: LayerScales | None
     channels: torch.Tensor | None
     layer: int = 0
+    energy: torch.Tensor | None = None
 
 
 def calibration_reasons(model_config: Any, plan: LayerPlan, path: str | None) -> list[str]:
     """Why an engine of ``model_config`` (the model's transformers config; None: not checked) cannot take the
     calibration artifact in folder ``path`` for ``plan`` (empty: it can). Each reason says what to change."""
     static = [f for f in plan.distinct_formats if f.is_static]
+    ranked = [f for f in plan.distinct_formats if f.query_ranked and not f.is_static]
     if path is None:
         return [
-            f'format {f.name or f.spec_string()} needs calibrated (static) scales: add "calibration": DIR to '
+            f'format {f.name or f.spec_string()} needs {what}: add "calibration": DIR to '
             f"additional_config['kvpack'], DIR from `kvpack calibrate --format '{f.spec_string()}' --out DIR`"
-            for f in static
+            for fs, what in ((static, "calibrated (static) scales"), (ranked, "the queries' statistics (o<N>q)"))
+            for f in fs
         ]
     if not static and not any(f.has_outliers for f in plan.distinct_formats):
         return [
@@ -62,6 +67,11 @@ def calibration_reasons(model_config: Any, plan: LayerPlan, path: str | None) ->
         art = load_artifact(path, model=model_config)
         for f in static:
             art.check_format(f)
+        if any(f.query_ranked for f in plan.distinct_formats) and art.query_energy is None:
+            return [
+                f"calibration {path} holds no query statistics, which o<N>q outlier channels are ranked by; "
+                "recalibrate with this kvpack (`kvpack calibrate --out DIR`)"
+            ]
     except (CalibrationError, ConfigError) as e:
         return [f"calibration {path}: {e}"]
     return []
@@ -108,12 +118,13 @@ def layer_calibration(
         CalibrationError: the artifact does not have this layer's geometry.
     """
     if path is None or not (fmt.is_static or fmt.has_outliers):
-        if fmt.is_static:
-            raise ConfigError(f"kvpack: format {fmt.name} needs calibrated (static) scales; name a calibration")
+        if fmt.is_static or fmt.query_ranked:
+            what = "calibrated (static) scales" if fmt.is_static else "the queries' statistics"
+            raise ConfigError(f"kvpack: format {fmt.name} needs {what}; name a calibration")
         return None
     if layer is None:
         raise ConfigError("kvpack: a calibrated format needs each layer's number, and this layer's name has none")
-    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels
+    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels, resolve_query_energy
 
     art = _artifact(path)
     n, total = int(art.fingerprint["num_layers"]), int(art.fingerprint["kv_heads"])
@@ -124,8 +135,15 @@ def layer_calibration(
         )
     cal = resolve_calibration(fmt, art, n, total, head_dim, device)
     channels = resolve_outlier_channels(fmt, art, n, total, head_dim, device)
+    energy = resolve_query_energy(fmt, art, n, total, head_dim, device)
     key = value = None
     if cal is not None:
         key = None if cal.key is None else _cut(cal.key.layer(layer), h0, h1, total)
         value = None if cal.value is None else _cut(cal.value.layer(layer), h0, h1, total)
-    return LayerCalibration(key, value, None if channels is None else channels[layer, h0:h1], layer)
+    return LayerCalibration(
+        key,
+        value,
+        None if channels is None else channels[layer, h0:h1],
+        layer,
+        None if energy is None else energy[layer, h0:h1],
+    )

@@ -393,7 +393,7 @@ class PagedLayer:
             scales = None if cal is None else (cal.key if prefix == "k" else cal.value)
             if spec.has_outliers:  # keys only: the artifact's channels, else chosen per block, as in kvpack's cache
                 qt, clipped, (parts["outlier"], parts["outlier_idx"]) = seal_outliers(
-                    x, spec, scales, None if cal is None else cal.channels
+                    x, spec, scales, None if cal is None else cal.channels, None if cal is None else cal.energy
                 )
                 rows |= {p: pools.get(f"{prefix}_{p}_bytes") for p in parts}
             elif spec.static:
