@@ -20,6 +20,7 @@ import argparse
 import json
 import platform
 import pydoc_data.topics
+import shlex
 import time
 from pathlib import Path
 
@@ -107,7 +108,10 @@ def main() -> None:
         cells = [f"KL {rows[m][f]['kl_mean']:.2e} top-1 {100 * rows[m][f]['top1']:.1f}%" for m in rows]
         print(f"{f:36s} " + " ".join(f"{c:>28s}" for c in cells))
     out = {
-        "command": "python benchmarks/format_families.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": "python benchmarks/format_families.py "
+        + " ".join(
+            f"--{k}" if v is True else f"--{k} {shlex.quote(str(v))}" for k, v in vars(args).items() if v is not False
+        ),
         "commit": commit(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,

@@ -116,6 +116,15 @@ def run(args: argparse.Namespace) -> int:
         f"value abs-max: {float(v_amax.min()):.3g} .. {float(v_amax.max()):.3g}"
     )
     print(
+        "query statistics: "
+        + (
+            "recorded (formats with query-ranked outlier channels, o<N>q, can use this artifact)"
+            if art.query_energy is not None
+            else "none (the model's attention does not go through transformers' attention interface; o<N>q formats "
+            "cannot use this artifact)"
+        )
+    )
+    print(
         f"wrote {out}/ ({MANIFEST_NAME} + tensors); use it with format {json.dumps(fmt.name)}, e.g. "
         f"`kvpack eval --formats {fmt.name} --calibration {out}` (other static formats get scales recomputed "
         "from its statistics)"
