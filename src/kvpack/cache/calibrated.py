@@ -155,10 +155,14 @@ def resolve_outlier_channels(
     return artifact_outlier_channels(calibration, fmt.key.outliers, num_layers, kv_heads, head_dim).to(device)
 
 
+def _digest(t: torch.Tensor, dtype: torch.dtype) -> str:
+    data = t.detach().to(dtype).contiguous().cpu().numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def channels_digest(channels: torch.Tensor) -> str:
     """A hex digest of calibrated outlier channels (blocks sealed with other channels hold other bytes)."""
-    data = channels.detach().to(torch.int64).contiguous().cpu().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return _digest(channels, torch.int64)
 
 
 def resolve_query_energy(
@@ -205,5 +209,4 @@ def resolve_query_energy(
 
 def energy_digest(energy: torch.Tensor) -> str:
     """A hex digest of query statistics (blocks ranked by other statistics may keep other channels)."""
-    data = energy.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return _digest(energy, torch.float32)

@@ -339,7 +339,9 @@ def observing_attention(observer: KVObserver, model: Any) -> Callable[[], None]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def observe(module, query, key, value, attention_mask, **kwargs):
-        observer.observe_queries(module.layer_idx, query, key.shape[1])
+        layer = getattr(module, "layer_idx", None)
+        if layer is not None:  # a layer that does not say which it is: its queries stay unobserved
+            observer.observe_queries(layer, query, key.shape[1])
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(_OBSERVE, observe)

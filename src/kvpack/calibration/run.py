@@ -11,6 +11,7 @@ transformers is imported only inside the functions that need a model.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,7 +158,12 @@ def calibrate(
     keys, values = observer.stats()
     info = {"name_or_path": str(getattr(model.config, "name_or_path", "") or getattr(model, "name_or_path", ""))}
     fp = fingerprint_from_config(model.config)
-    return Artifact.build(keys, values, format, fp, data, source, info, query_energy=observer.query_energy())
+    try:
+        energy = observer.query_energy()
+    except CalibrationError as e:  # some layers' queries went unseen: the artifact is made without them
+        warnings.warn(f"kvpack calibrate: no query statistics recorded ({e})", stacklevel=2)
+        energy = None
+    return Artifact.build(keys, values, format, fp, data, source, info, query_energy=energy)
 
 
 def load_model(path: str | None) -> tuple[Any, Any]:
