@@ -298,7 +298,7 @@ def test_a_plan_through_the_kvpack_engine_stores_what_its_formats_store(lm):
     [
         ("int4/int8[5]", FormatError, "names layer(s) [5] but the model has 2 layers"),
         ("int4/int8@static[0]", ConfigError, "take calibrated scales"),
-        ("int4/k=int4:channel:asym:o2q,v=int4:g32:asym[0]", ConfigError, "or query statistics"),
+        ("int4/k=int4:channel:asym:o2q,v=int4:g32:asym[0]", ConfigError, "rank outlier key channels by the queries"),
     ],
 )
 def test_a_plan_the_model_cannot_take_is_refused_before_the_sweep(lm, plan, error, message):

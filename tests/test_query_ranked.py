@@ -319,3 +319,54 @@ def test_vllm_layer_takes_its_heads_share_of_the_statistics(tmp_path):
     assert calibration_reasons(None, plan, str(tmp_path / "with")) == []
     with pytest.raises(ConfigError, match="queries' statistics"):
         layer_calibration(None, FMT, 1, heads, D, cpu)
+
+
+def test_a_per_layer_plan_gives_each_part_its_layers_rows(tiny, tmp_path, monkeypatch):
+    """A plan with query-ranked layers takes the artifact: the part holding them ranks by those layers' rows (the
+    logits equal the simulate engine's with the same plan), and the artifact is checked before the model runs."""
+    import kvpack.hf
+    from kvpack.evaluation.runner import Runner, wrap
+    from kvpack.evaluation.simulate import SimulatedCache
+    from kvpack.integrations import hf_attention as hfa
+    from kvpack.kernels import cpu_decode
+    from kvpack.plans import parse_plan
+
+    model, tok = tiny
+    layers, _, head_dim = _geometry(model)
+    ranked = f"k=int4:channel:asym:o{head_dim // 16}q,v=int4:g32:asym,block={B}"
+    plan = f"int4,block={B}/{ranked}[1]"
+    art = _tiny_artifact(model)
+    sub = art.select_layers([1])
+    assert torch.equal(sub.query_energy, art.query_energy[1:]) and torch.equal(sub.keys.absmax, art.keys.absmax[1:])
+    assert sub.fingerprint["num_layers"] == 1 and sub.key_scales.scale.shape[0] == 1
+    with pytest.raises(CalibrationError, match="cannot select"):
+        art.select_layers([layers])
+    seq = torch.randint(0, model.config.vocab_size, (1, 3 * B + 9), generator=torch.Generator().manual_seed(6))
+    key = kvpack.hf.cache_kwarg(model)
+
+    def logits(cache):
+        with torch.inference_mode():
+            return model(input_ids=seq, **{key: cache}).logits
+
+    formats = parse_plan(plan).formats(layers)
+    model.set_attn_implementation("sdpa")
+    want = logits(SimulatedCache(formats, query_energy=art.query_energy))
+    monkeypatch.setattr(cpu_decode, "INT_DOT", False)
+    monkeypatch.setattr(hfa, "_chunk_backend", lambda *a: None)
+    got = logits(kvpack.hf.cache_for(model, plan, max_tokens=256, calibration=art))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the rows must be the part's layers': ranked by layer 0's statistics, the same plan gives other logits
+    swapped = art.query_energy.clone()
+    swapped[1] = art.query_energy[0]
+    model.set_attn_implementation("sdpa")
+    assert (logits(SimulatedCache(formats, query_energy=swapped)) - want).abs().max() > 1e-3
+    with pytest.raises(CalibrationError, match="kvpack calibrate"):
+        kvpack.hf.cache_for(model, plan, max_tokens=256)
+    with pytest.raises(CalibrationError, match="would be ignored"):
+        kvpack.hf.cache_for(model, f"int4,block={B}/int8,block={B}[1]", max_tokens=256, calibration=art)
+    # the evaluation hands the artifact to plans with query-ranked layers, in both engines
+    for engine in ("simulate", "kvpack"):
+        cache = Runner(wrap(model, tok, "tiny"), engine=engine, calibration=art).cache(plan, 64)
+        assert cache is not None
+        with pytest.raises(ConfigError, match="kvpack calibrate"):
+            Runner(wrap(model, tok, "tiny"), engine=engine).cache(plan, 64)

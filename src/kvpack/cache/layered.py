@@ -16,11 +16,16 @@ import torch
 
 from kvpack.cache.memory import LayerMemory, MemoryReport
 from kvpack.cache.paged import PagedKVCache
-from kvpack.errors import ConfigError, ShapeError
+from kvpack.errors import CalibrationError, ConfigError, ShapeError
 from kvpack.formats import KVFormat
 from kvpack.kernels.views import PagedKV
 
 __all__ = ["LayeredKVCache"]
+
+
+def _takes_artifact(fmt: KVFormat) -> bool:
+    """The format's cache needs a calibration artifact: static scales, or outlier channels ranked by the queries."""
+    return fmt.is_static or fmt.query_ranked
 
 
 class LayeredKVCache:
@@ -31,7 +36,15 @@ class LayeredKVCache:
         kv_heads, head_dim: the model's geometry.
         blocks_for: ``blocks_for(fmt) -> num_blocks`` for each part's pool.
         window: per-layer sliding windows (``None`` entries: full attention), or ``None``.
+        calibration: a :class:`~kvpack.calibration.Artifact` of the model: each part whose format needs one
+            (``static`` specs, query-ranked outlier channels ``o<N>q``) takes its layers' rows
+            (:meth:`~kvpack.calibration.Artifact.select_layers`); the other parts take none (outlier channels
+            ranked by range stay chosen per block).
         **kw: passed to every :class:`PagedKVCache` (``tail_dtype``, ``device``).
+
+    Raises:
+        CalibrationError: ``calibration`` is not an artifact, or no format of the plan takes it (it would be
+            ignored); a part's own checks (a static format without it, scales made for another spec).
     """
 
     def __init__(
@@ -41,10 +54,13 @@ class LayeredKVCache:
         head_dim: int,
         blocks_for: Any,
         window: Sequence[int | None] | None = None,
+        calibration: Any = None,
         **kw: Any,
     ) -> None:
         if not formats:
             raise ConfigError("a layered cache needs at least one layer")
+        if calibration is not None:
+            self.check_calibration(calibration, formats)
         self.formats = list(formats)
         self.num_layers = len(self.formats)
         windows = list(window) if window is not None else [None] * self.num_layers
@@ -60,13 +76,37 @@ class LayeredKVCache:
             layers = [i for i, f in enumerate(self.formats) if f == fmt]
             for local, i in enumerate(layers):
                 self.where[i] = (p, local)
+            cal = calibration.select_layers(layers) if calibration is not None and _takes_artifact(fmt) else None
             part = PagedKVCache(
-                fmt, len(layers), kv_heads, head_dim, blocks_for(fmt), window=[windows[i] for i in layers], **kw
+                fmt,
+                len(layers),
+                kv_heads,
+                head_dim,
+                blocks_for(fmt),
+                window=[windows[i] for i in layers],
+                calibration=cal,
+                **kw,
             )
             self.parts.append(part)
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self._ids: dict[int, list[int]] = {}  # layered id -> the id in each part
         self._next = 0
+
+    @staticmethod
+    def check_calibration(calibration: Any, formats: Sequence[KVFormat]) -> None:
+        """Refuse a ``calibration`` that is not an artifact, or that no format of ``formats`` takes."""
+        from kvpack.calibration.artifact import Artifact
+
+        if not isinstance(calibration, Artifact):
+            raise CalibrationError(
+                "a per-layer plan takes a calibration artifact (load_artifact(DIR)), whose rows each part takes "
+                f"for its layers; got {type(calibration).__name__}"
+            )
+        if not any(_takes_artifact(f) for f in formats):
+            raise CalibrationError(
+                "no format of this plan takes a calibration artifact (static specs, or o<N>q outlier channels), "
+                "so it would be ignored; drop it"
+            )
 
     # -- sequences ------------------------------------------------------------------------------------
     def _part_ids(self, sid: int) -> list[int]:

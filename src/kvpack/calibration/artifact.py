@@ -20,8 +20,10 @@ ever replaced by a default.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,35 @@ class Artifact:
             source or self.source,
             self.model,
             query_energy=self.query_energy,
+        )
+
+    def select_layers(self, layers: Sequence[int]) -> Artifact:
+        """The artifact of ``layers`` only, in that order: what the part of a per-layer plan's cache that holds
+        those layers takes (its statistics, scales and query statistics are those layers' rows; the fingerprint
+        counts them). Not meant to be saved: it no longer describes the whole model.
+
+        Raises:
+            CalibrationError: a layer the artifact does not have.
+        """
+        n = int(self.fingerprint["num_layers"])
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad or not layers:
+            raise CalibrationError(f"the calibration artifact has {n} layers; cannot select layers {list(layers)}")
+        idx = torch.as_tensor(list(layers), dtype=torch.long)
+
+        def cut(sc: StaticScales | None) -> StaticScales | None:
+            if sc is None:
+                return None
+            return dataclasses.replace(sc, scale=sc.scale[idx], zero=None if sc.zero is None else sc.zero[idx])
+
+        return dataclasses.replace(
+            self,
+            fingerprint={**self.fingerprint, "num_layers": len(idx)},
+            keys=self.keys.select(layers),
+            values=self.values.select(layers),
+            key_scales=cut(self.key_scales),
+            value_scales=cut(self.value_scales),
+            query_energy=None if self.query_energy is None else self.query_energy[idx],
         )
 
     # -- checks ---------------------------------------------------------------------------------------

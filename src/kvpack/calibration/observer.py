@@ -95,6 +95,14 @@ class RoleStats:
     def num_layers(self) -> int:
         return self.absmax.shape[0]
 
+    def select(self, layers: Sequence[int]) -> RoleStats:
+        """The statistics of ``layers`` only, in that order."""
+        idx = torch.as_tensor(list(layers), dtype=torch.long)
+        return RoleStats(
+            *(t[idx] for t in (self.absmax, self.min, self.max, self.rms, self.pair_absmax, self.tokens)),
+            percentiles={p: t[idx] for p, t in self.percentiles.items()},
+        )
+
     def magnitude(self, source: str) -> torch.Tensor:
         """Per-channel range ``[layers, kv_heads, head_dim]`` for ``source``: ``"absmax"``, ``"rope"`` (the
         RoPE pair bound, :attr:`pair_absmax`) or ``"p<P>"``."""

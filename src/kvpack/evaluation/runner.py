@@ -233,7 +233,11 @@ class Runner:
             plan = parse_plan(fmt)
             if self.engine == "simulate":
                 return self.cache(None, max_tokens, layer_formats=plan.formats(self.lm.num_layers))
-            cache = _cache_for()(self.lm.model, format=plan, max_tokens=max_tokens, batch_size=1, backend=self.backend)
+            ranked = next((f for f in plan.distinct_formats if f.query_ranked), None)
+            extra = {"calibration": self.calibration} if self.query_energy(ranked) is not None else {}
+            cache = _cache_for()(
+                self.lm.model, format=plan, max_tokens=max_tokens, batch_size=1, backend=self.backend, **extra
+            )
             self._use_attention(self.lm.attn_implementation)
             return cache
         fmt = parse_format(fmt)

@@ -285,7 +285,7 @@ def _parse(name: str, num_layers: int, head_dim: int) -> Format:
     Raises:
         FormatError: it does not parse, a format cannot store ``head_dim``, or the plan names a layer the model
             does not have.
-        ConfigError: a plan with formats that take an artifact (``static``, ``o<N>q``).
+        ConfigError: a plan with calibrated (``static``) formats.
     """
     if not is_plan(name):
         fmt = parse_format(name)
@@ -296,14 +296,18 @@ def _parse(name: str, num_layers: int, head_dim: int) -> Format:
     plan.formats(num_layers)  # its layers exist
     if plan.is_uniform:
         return plan.base
-    static = [f.name for f in plan.distinct_formats if f.is_static or f.query_ranked]
+    static = [f.name for f in plan.distinct_formats if f.is_static]
     if static:
         raise ConfigError(
-            f"plan {name!r}: its formats {static} take calibrated scales or query statistics from an artifact, "
-            "which kvpack eval applies to single formats only; evaluate the format alone (--formats with "
-            "--calibration), or plan with formats that need no artifact"
+            f"plan {name!r}: its formats {static} take calibrated scales, which kvpack eval applies to single formats "
+            "only; evaluate the static format alone (--formats with --calibration), or plan with dynamic formats"
         )
     return plan
+
+
+def _distinct(fmt: Format) -> list[KVFormat]:
+    """The formats a ``--formats`` entry stores: itself, or a plan's distinct formats."""
+    return [fmt] if isinstance(fmt, KVFormat) else list(fmt.distinct_formats)
 
 
 def run_eval(
@@ -398,7 +402,12 @@ def _run_eval(
     cfg = replace(cfg, lengths=resolve_lengths(cfg.lengths, lm.max_context))
     formats = {name: _parse(name, lm.num_layers, lm.head_dim) for name in cfg.formats}
     static = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.is_static]
-    ranked = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.query_ranked]
+    ranked = [name for name, fmt in formats.items() if any(f.query_ranked for f in _distinct(fmt))]
+    if cfg.plan_budget is not None:  # the plan search's ladder is evaluated too
+        ranked += [f for f in cfg.plan_formats if parse_format(f).query_ranked and f not in formats]
+        formats_and_ladder = {**formats, **{f: parse_format(f) for f in ranked if f not in formats}}
+    else:
+        formats_and_ladder = formats
     artifact = None
     if cfg.calibration is not None:
         from kvpack.calibration import load_artifact
@@ -410,7 +419,7 @@ def _run_eval(
         raise ConfigError(" and ".join(need) + "; run `kvpack calibrate --out DIR` and pass --calibration DIR")
     runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, calibration=artifact, **runner_kw)
     for name in ranked:  # before any text runs: an artifact without query statistics is refused now
-        runner.query_energy(formats[name])
+        runner.query_energy(next(f for f in _distinct(formats_and_ladder[name]) if f.query_ranked))
     too_long = [n for n in cfg.lengths if lm.max_context and n + QUESTION_ROOM > lm.max_context]
     if too_long:
         raise ConfigError(

@@ -280,14 +280,14 @@ class KVPackCache(Cache):
         self.plan = plan if plan is not None and not plan.is_uniform else None
         for f in {f.name: f for f in self.layer_formats}.values():
             f.check(self.head_dim)
-        if self.plan is not None and calibration is not None:
-            raise ConfigError(
-                f"a calibration artifact is made for one format; the per-layer plan {self.plan.name!r} takes none "
-                "(calibrate one format, or drop the plan's static and o<N> formats)"
+        if self.plan is not None:  # each distinct format's layers take their rows of the artifact
+            self.calibration = _resolve_plan_calibration(
+                calibration, config, self.layer_formats, self.kv_heads, self.head_dim
             )
-        self.calibration = _resolve_calibration(
-            calibration, config, self.format, self.num_layers, self.kv_heads, self.head_dim
-        )
+        else:
+            self.calibration = _resolve_calibration(
+                calibration, config, self.format, self.num_layers, self.kv_heads, self.head_dim
+            )
         cfg = _text_config(config)
         if max_tokens is None:
             max_tokens = min(
@@ -340,6 +340,7 @@ class KVPackCache(Cache):
                 self.head_dim,
                 lambda fmt: self.num_blocks or self.blocks_needed(sequences, fmt),
                 window=self.windows,
+                calibration=self.calibration,
                 tail_dtype=self.tail_dtype or dtype,
                 device=device,
             )
@@ -517,7 +518,13 @@ class KVPackCache(Cache):
 
 
 def _resolve_calibration(
-    calibration: Any, config: PreTrainedConfig, fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int
+    calibration: Any,
+    config: PreTrainedConfig,
+    fmt: KVFormat,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    check_model: bool = True,
 ) -> Any:
     """The calibration a :class:`KVPackCache` hands its paged cache, loaded and checked now (fail closed).
 
@@ -533,12 +540,45 @@ def _resolve_calibration(
 
     if isinstance(calibration, (str, Path)):
         calibration = load_artifact(calibration, model=config)
-    elif isinstance(calibration, Artifact):
+    elif isinstance(calibration, Artifact) and check_model:
         calibration.check_model(config)
     cpu = torch.device("cpu")
     resolve_calibration(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
     resolve_outlier_channels(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
     resolve_query_energy(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+    return calibration
+
+
+def _resolve_plan_calibration(
+    calibration: Any, config: PreTrainedConfig, layer_formats: list[KVFormat], kv_heads: int, head_dim: int
+) -> Any:
+    """The artifact a per-layer plan's :class:`~kvpack.cache.layered.LayeredKVCache` hands its parts, loaded and
+    checked now: every format of the plan that takes one (static specs, ``o<N>q``) is checked against its layers'
+    rows, as its part will be at the first update.
+
+    Raises:
+        CalibrationError: a format that needs an artifact without one, an artifact no format of the plan takes,
+            one made for another model, or one that does not fit a format (scales of another spec, no query
+            statistics).
+    """
+    from pathlib import Path
+
+    from kvpack.calibration.artifact import Artifact, load_artifact
+
+    if isinstance(calibration, (str, Path)):
+        calibration = load_artifact(calibration, model=config)
+    elif isinstance(calibration, Artifact):
+        calibration.check_model(config)
+    if calibration is not None:
+        from kvpack.cache.layered import LayeredKVCache
+
+        LayeredKVCache.check_calibration(calibration, layer_formats)
+    for fmt in {f.spec_string(): f for f in layer_formats}.values():
+        layers = [i for i, f in enumerate(layer_formats) if f == fmt]
+        takes = fmt.is_static or fmt.query_ranked
+        part = calibration.select_layers(layers) if takes and isinstance(calibration, Artifact) else None
+        if takes:
+            _resolve_calibration(part, config, fmt, len(layers), kv_heads, head_dim, check_model=False)
     return calibration
 
 
