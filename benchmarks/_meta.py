@@ -36,3 +36,17 @@ def write_results(out: str, fields: dict, t0: float) -> dict:
     atomic_write_text(Path(out), json.dumps(doc, indent=2) + "\n")
     print(f"\nwrote {out} ({doc['seconds']} s)")
     return doc
+
+
+def write_simulate_results(out: str, name: str, args, offsets: list[int], rows: dict, t0: float) -> dict:
+    """:func:`write_results` for a simulate-engine benchmark over pooled windows: its name, the engine, the tokens
+    and offsets of the windows, the threads (``args.tokens``, ``args.threads``) and the rows."""
+    fields = {
+        "benchmark": name,
+        "engine": "simulate",
+        "tokens": args.tokens,
+        "offsets": offsets,
+        "threads": args.threads,
+        "results": rows,
+    }
+    return write_results(out, fields, t0)

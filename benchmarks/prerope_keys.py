@@ -18,7 +18,7 @@ import pydoc_data.topics
 import time
 
 import torch
-from _meta import write_results
+from _meta import write_simulate_results
 from format_families import pooled
 
 from kvpack.evaluation.fidelity import teacher_forced
@@ -133,15 +133,7 @@ def main() -> None:
             print(
                 f"  {f:44s} {a['kl_mean']:.2e} ({100 * a['top1']:.1f}%) -> {b['kl_mean']:.2e} ({100 * b['top1']:.1f}%)"
             )
-    fields = {
-        "benchmark": "prerope_keys",
-        "engine": "simulate",
-        "tokens": args.tokens,
-        "offsets": offsets,
-        "threads": args.threads,
-        "results": rows,
-    }
-    write_results(args.out, fields, t0)
+    write_simulate_results(args.out, "prerope_keys", args, offsets, rows, t0)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pydoc_data.topics
 import time
 
 import torch
-from _meta import write_results
+from _meta import write_simulate_results
 from format_families import held_out_calibration, pooled
 
 from kvpack.cache.write import seal_outliers
@@ -149,15 +149,7 @@ def main() -> None:
         print(f"\n{m}: KL mean (p99, top-1)")
         for n, v in rows[m].items():
             print(f"  {n:30s} {v['bits']:.3f} bits  {v['kl_mean']:.2e} ({v['kl_p99']:.2e}, {100 * v['top1']:.1f}%)")
-    fields = {
-        "benchmark": "refined_channels",
-        "engine": "simulate",
-        "tokens": args.tokens,
-        "offsets": offsets,
-        "threads": args.threads,
-        "results": rows,
-    }
-    write_results(args.out, fields, t0)
+    write_simulate_results(args.out, "refined_channels", args, offsets, rows, t0)
 
 
 if __name__ == "__main__":
