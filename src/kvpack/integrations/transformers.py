@@ -249,8 +249,10 @@ class KVPackCache(Cache):
         calibration: a calibration artifact (its directory, or a loaded :class:`~kvpack.calibration.Artifact`,
             checked against ``config``'s fingerprint) or :class:`~kvpack.calibration.CalibratedScales`: the
             static scales of a format with ``static`` specs (required for one: refused here, before anything
-            runs, when missing) and the outlier key channels of a format with ``o<N>`` keys (otherwise chosen
-            per block at seal time). Passed to :class:`~kvpack.cache.PagedKVCache`.
+            runs, when missing), the outlier key channels of a format with ``o<N>`` keys (otherwise chosen
+            per block at seal time), and the query statistics of one with ``o<N>q`` keys (required). Passed to
+            :class:`~kvpack.cache.PagedKVCache`; a per-layer plan takes an artifact only, each of its formats
+            that needs one (static, ``o<N>q``) the rows of its own layers.
 
     Attributes:
         fused_decode_calls: decode-attention calls (one per layer per step) that ran a fused kernel.
@@ -639,7 +641,8 @@ def cache_for(
         num_blocks: override the pool size in blocks.
         calibration: a calibration artifact directory (``kvpack calibrate --out DIR``) or a loaded
             :class:`~kvpack.calibration.Artifact`: static scales for a ``static`` format, outlier key channels
-            for a format with ``o<N>`` keys (e.g. ``"fp8-o4"``); see :class:`KVPackCache`.
+            for a format with ``o<N>`` keys (e.g. ``"fp8-o4"``), query statistics for one with ``o<N>q`` keys;
+            see :class:`KVPackCache`.
 
     Raises:
         UnsupportedError: the model has layers kvpack cannot store (linear or chunked attention).
