@@ -365,8 +365,9 @@ def test_a_per_layer_plan_gives_each_part_its_layers_rows(tiny, tmp_path, monkey
     with pytest.raises(CalibrationError, match="would be ignored"):
         kvpack.hf.cache_for(model, f"int4,block={B}/int8,block={B}[1]", max_tokens=256, calibration=art)
     # the evaluation hands the artifact to plans with query-ranked layers, in both engines
+    simulated = Runner(wrap(model, tok, "tiny"), engine="simulate", calibration=art).cache(plan, 64)
+    assert simulated.layers[0].key_energy is None and torch.equal(simulated.layers[1].key_energy, art.query_energy[1])
+    assert Runner(wrap(model, tok, "tiny"), engine="kvpack", calibration=art).cache(plan, 64).calibration is art
     for engine in ("simulate", "kvpack"):
-        cache = Runner(wrap(model, tok, "tiny"), engine=engine, calibration=art).cache(plan, 64)
-        assert cache is not None
         with pytest.raises(ConfigError, match="kvpack calibrate"):
             Runner(wrap(model, tok, "tiny"), engine=engine).cache(plan, 64)
