@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvpack.hf
 from kvpack.cache import PagedKVCache
 from kvpack.cache.layered import LayeredKVCache
-from kvpack.errors import ConfigError, FormatError, ShapeError
+from kvpack.errors import CalibrationError, ConfigError, FormatError, ShapeError
 from kvpack.evaluation.planner import greedy_plans, plan_from_layers, search_plan
 from kvpack.formats import parse_format, split_formats
 from kvpack.integrations.vllm.config import settings_from
@@ -159,7 +159,7 @@ def test_a_plan_cache_in_transformers_matches_the_single_formats_it_is_made_of()
     mixed, cache = logits("int4/int8[0]")
     assert not torch.equal(mixed, int4) and not torch.equal(mixed, int8)
     assert cache.bytes_summary()["used_bytes"] > 0 and len(cache.memory_report().layers) == 3
-    with pytest.raises(ConfigError, match="takes none"):
+    with pytest.raises(CalibrationError, match="no calibration artifact at"):  # loaded and checked before any run
         kvpack.hf.cache_for(model, format="int4/int8[0]", calibration="/nonexistent")
     with pytest.raises(FormatError, match="names layer"):
         kvpack.hf.cache_for(model, format="int4/int8[7]")
