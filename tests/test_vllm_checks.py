@@ -166,6 +166,28 @@ def test_bench_providers_run_with_their_formats_block_size():
         provider_job("int5")
 
 
+def test_bench_providers_that_need_an_artifact_take_the_calibration():
+    """``kvpack bench vllm --calibration DIR``: the folder goes to the formats that need one (static scales, o<N>q
+    outlier channels), the other providers run without it, and such a format without one stops before any run."""
+    from kvpack.bench.vllm import provider_job
+
+    ranked = "k=int4:channel:asym:o2q,v=int4:g32:asym,sink=1"
+    for fmt in ("int8@static", ranked, f"int4/{ranked}[0]"):
+        assert provider_job(fmt, "calib/")["calibration"] == "calib/"
+        with pytest.raises(ConfigError, match="--calibration DIR"):
+            provider_job(fmt)
+    for name in ("vllm-default", "int8", "int4-o4"):
+        assert "calibration" not in provider_job(name, "calib/")
+
+
+def test_bench_refuses_a_calibration_no_provider_takes(capsys):
+    pytest.importorskip("vllm")
+    from kvpack.cli.main import main
+
+    assert main(["bench", "vllm", "--formats", "vllm-default,int8", "--calibration", "calib/", "--quick"]) == 2
+    assert "would be ignored" in capsys.readouterr().err
+
+
 def test_bench_workloads():
     """``kvpack bench vllm --long-output``: 16 short prompts, 384 new tokens each, 128 MiB, 16 running at most;
     ``--quick`` and the default keep theirs; an unknown workload is refused by name."""

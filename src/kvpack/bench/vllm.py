@@ -135,28 +135,46 @@ def run(
     kernel: str = "auto",
     dtype: str = "float32",
     workload_name: str | None = None,
+    calibration: str | None = None,
 ) -> list[Row]:
-    """Run each provider once in a fresh process; returns one row per provider (the first is the reference)."""
+    """Run each provider once in a fresh process; returns one row per provider (the first is the reference).
+    ``calibration`` (a ``kvpack calibrate`` folder) goes to the providers whose formats need one."""
     base = base_job(quick, model, kv_mib, max_num_seqs, kernel, dtype, workload_name)
+    jobs = [(name, provider_job(name, calibration)) for name in providers or list(PROVIDERS)]  # all checked first
     rows, reference = [], None
-    for name in providers or list(PROVIDERS):
-        res = run_engine({**base, **provider_job(name)})
+    for name, job in jobs:
+        res = run_engine({**base, **job})
         if reference is None:
             reference = res["outputs"]
         rows.append(make_row(name, res, reference))
     return rows
 
 
-def provider_job(name: str) -> dict[str, Any]:
+def provider_job(name: str, calibration: str | None = None) -> dict[str, Any]:
     """A provider's keys of an engine job: the kvpack format (None: vLLM's own cache), vLLM's kv_cache_dtype and
     block size (64 for vLLM's own cache; a kvpack format's own where it names one, ``int8,block=32`` running with
     32-token blocks; else None, left to the kvpack backend, which serves a smaller block where the tails crowd the
-    space, as for a user who gives none). ``name`` is a key of :data:`PROVIDERS` or a kvpack format string."""
+    space, as for a user who gives none), and ``calibration`` where the format needs an artifact (static specs,
+    query-ranked outlier channels ``o<N>q``). ``name`` is a key of :data:`PROVIDERS` or a kvpack format string.
+
+    Raises:
+        FormatError: ``name`` is no provider and no format.
+        ConfigError: the format needs an artifact and ``calibration`` is None.
+    """
     fmt, dtype = PROVIDERS.get(name, (name, "auto"))
-    block: int | None = 64 if fmt is None else parse_plan(fmt).base.block_size  # a bad format stops here
+    plan = None if fmt is None else parse_plan(fmt)  # a bad format stops here
+    block: int | None = 64 if plan is None else plan.base.block_size
     if fmt is not None and not names_block(fmt):
         block = None  # what a user who names no block gets: the backend's choice for the space (config.serve_block)
-    return {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
+    job = {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
+    if plan is not None and any(f.is_static or f.query_ranked for f in plan.distinct_formats):
+        if calibration is None:
+            raise ConfigError(
+                f"--formats {name!r} needs a calibration artifact (static scales or o<N>q query statistics): pass "
+                "--calibration DIR, DIR from `kvpack calibrate --out DIR` (with --model for another model)"
+            )
+        job["calibration"] = calibration
+    return job
 
 
 def make_row(name: str, res: dict[str, Any], reference: list[list[int]]) -> Row:

@@ -141,6 +141,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     v.add_argument("--kernel", choices=("auto", "cpu", "reference"), default="auto", help="kvpack decode kernel")
     v.add_argument(
+        "--calibration",
+        default=None,
+        metavar="DIR",
+        help="a kvpack calibrate artifact of the model, for formats that need one (int8@static, o<N>q outlier "
+        "channels); the other providers run without it",
+    )
+    v.add_argument(
         "--dtype",
         choices=tuple(MODEL_DTYPE_BYTES),
         default="float32",
@@ -249,6 +256,14 @@ def _run_vllm(args: argparse.Namespace) -> int:
                 raise ConfigError(
                     f"--formats: {name!r} is neither vllm-default, vllm-fp8 nor a kvpack format or plan: {e}"
                 ) from None
+    if args.calibration is not None:
+        names = providers or list(bench.PROVIDERS)
+        takers = [n for n in names if "calibration" in bench.provider_job(n, args.calibration)]
+        if not takers:
+            raise ConfigError(
+                f"--calibration {args.calibration}: none of {names} takes a calibration artifact, so it would be "
+                "ignored; drop it or add a format that needs one (int8@static, o<N>q)"
+            )
     model = None
     if args.model is not None:
         from kvpack.models.embedded import resolve_model_path
@@ -264,6 +279,7 @@ def _run_vllm(args: argparse.Namespace) -> int:
         kernel=args.kernel,
         dtype=args.dtype,
         workload_name="long-output" if args.long_output else None,
+        calibration=args.calibration,
     )
     print(bench.to_json(rows) if args.json else bench.table(rows))
     return 0

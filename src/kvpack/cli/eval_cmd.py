@@ -154,7 +154,8 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         metavar="DIR",
         help="calibration artifact of this model (kvpack calibrate --out DIR), for formats with calibrated "
-        "scales such as fp8@static (their scales are recomputed from its statistics)",
+        "scales such as fp8@static (their scales are recomputed from its statistics) and for outlier key channels "
+        "ranked by the queries (o<N>q)",
     )
     p.add_argument(
         "--plan",
