@@ -548,6 +548,12 @@ class KVFormat:
         query statistics."""
         return self.key.query_ranked
 
+    @property
+    def needs_artifact(self) -> bool:
+        """A cache of this format cannot be built without a calibration artifact: static scales, or outlier
+        channels ranked by the queries."""
+        return self.is_static or self.query_ranked
+
     def bytes_per_token(self, kv_heads: int, head_dim: int, layers: int = 1) -> float:
         """Sealed bytes per token over ``layers`` layers (a block's bytes divided by its tokens)."""
         return layers * self.block_bytes(kv_heads, head_dim) / self.block_size

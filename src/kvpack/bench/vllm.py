@@ -167,7 +167,7 @@ def provider_job(name: str, calibration: str | None = None) -> dict[str, Any]:
     if fmt is not None and not names_block(fmt):
         block = None  # what a user who names no block gets: the backend's choice for the space (config.serve_block)
     job = {"format": fmt, "kv_cache_dtype": dtype, "block_size": block}
-    if plan is not None and any(f.is_static or f.query_ranked for f in plan.distinct_formats):
+    if plan is not None and any(f.needs_artifact for f in plan.distinct_formats):
         if calibration is None:
             raise ConfigError(
                 f"--formats {name!r} needs a calibration artifact (static scales or o<N>q query statistics): pass "

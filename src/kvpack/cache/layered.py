@@ -23,11 +23,6 @@ from kvpack.kernels.views import PagedKV
 __all__ = ["LayeredKVCache"]
 
 
-def _takes_artifact(fmt: KVFormat) -> bool:
-    """The format's cache needs a calibration artifact: static scales, or outlier channels ranked by the queries."""
-    return fmt.is_static or fmt.query_ranked
-
-
 class LayeredKVCache:
     """Paged storage for a per-layer plan (``kvpack.plans``).
 
@@ -76,7 +71,7 @@ class LayeredKVCache:
             layers = [i for i, f in enumerate(self.formats) if f == fmt]
             for local, i in enumerate(layers):
                 self.where[i] = (p, local)
-            cal = calibration.select_layers(layers) if calibration is not None and _takes_artifact(fmt) else None
+            cal = calibration.select_layers(layers) if calibration is not None and fmt.needs_artifact else None
             part = PagedKVCache(
                 fmt,
                 len(layers),
@@ -102,7 +97,7 @@ class LayeredKVCache:
                 "a per-layer plan takes a calibration artifact (load_artifact(DIR)), whose rows each part takes "
                 f"for its layers; got {type(calibration).__name__}"
             )
-        if not any(_takes_artifact(f) for f in formats):
+        if not any(f.needs_artifact for f in formats):
             raise CalibrationError(
                 "no format of this plan takes a calibration artifact (static specs, or o<N>q outlier channels), "
                 "so it would be ignored; drop it"

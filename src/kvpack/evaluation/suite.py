@@ -402,12 +402,9 @@ def _run_eval(
     cfg = replace(cfg, lengths=resolve_lengths(cfg.lengths, lm.max_context))
     formats = {name: _parse(name, lm.num_layers, lm.head_dim) for name in cfg.formats}
     static = [name for name, fmt in formats.items() if isinstance(fmt, KVFormat) and fmt.is_static]
-    ranked = [name for name, fmt in formats.items() if any(f.query_ranked for f in _distinct(fmt))]
-    if cfg.plan_budget is not None:  # the plan search's ladder is evaluated too
-        ranked += [f for f in cfg.plan_formats if parse_format(f).query_ranked and f not in formats]
-        formats_and_ladder = {**formats, **{f: parse_format(f) for f in ranked if f not in formats}}
-    else:
-        formats_and_ladder = formats
+    ladder = {f: parse_format(f) for f in cfg.plan_formats} if cfg.plan_budget is not None else {}  # evaluated too
+    stored = formats | {f: fmt for f, fmt in ladder.items() if f not in formats}
+    ranked = [name for name, fmt in stored.items() if any(f.query_ranked for f in _distinct(fmt))]
     artifact = None
     if cfg.calibration is not None:
         from kvpack.calibration import load_artifact
@@ -418,8 +415,8 @@ def _run_eval(
         need += [f"formats {ranked} rank outlier key channels by the queries"] if ranked else []
         raise ConfigError(" and ".join(need) + "; run `kvpack calibrate --out DIR` and pass --calibration DIR")
     runner = Runner(lm, engine=cfg.engine, backend=cfg.backend, calibration=artifact, **runner_kw)
-    for name in ranked:  # before any text runs: an artifact without query statistics is refused now
-        runner.query_energy(next(f for f in _distinct(formats_and_ladder[name]) if f.query_ranked))
+    if ranked:  # before any text runs: an artifact without query statistics is refused now (one check serves all)
+        runner.query_energy(next(f for f in _distinct(stored[ranked[0]]) if f.query_ranked))
     too_long = [n for n in cfg.lengths if lm.max_context and n + QUESTION_ROOM > lm.max_context]
     if too_long:
         raise ConfigError(

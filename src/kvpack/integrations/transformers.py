@@ -519,35 +519,37 @@ class KVPackCache(Cache):
         )
 
 
-def _resolve_calibration(
-    calibration: Any,
-    config: PreTrainedConfig,
-    fmt: KVFormat,
-    num_layers: int,
-    kv_heads: int,
-    head_dim: int,
-    check_model: bool = True,
-) -> Any:
-    """The calibration a :class:`KVPackCache` hands its paged cache, loaded and checked now (fail closed).
-
-    A path is loaded with :func:`~kvpack.calibration.load_artifact` and an :class:`Artifact` is checked
-    against the model fingerprint; then everything the paged cache would refuse at its first update (a
-    static format without scales, an artifact the format ignores, scales or statistics of another shape) is
-    refused here, before the model runs.
-    """
+def _load_calibration(calibration: Any, config: PreTrainedConfig) -> Any:
+    """``calibration`` loaded (a path, with :func:`~kvpack.calibration.load_artifact`) and, for an
+    :class:`Artifact`, checked against the model's fingerprint; anything else as it is."""
     from pathlib import Path
 
-    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels, resolve_query_energy
     from kvpack.calibration.artifact import Artifact, load_artifact
 
     if isinstance(calibration, (str, Path)):
-        calibration = load_artifact(calibration, model=config)
-    elif isinstance(calibration, Artifact) and check_model:
+        return load_artifact(calibration, model=config)
+    if isinstance(calibration, Artifact):
         calibration.check_model(config)
+    return calibration
+
+
+def _check_format_calibration(fmt: KVFormat, calibration: Any, num_layers: int, kv_heads: int, head_dim: int) -> None:
+    """Refuse now what a paged cache of ``fmt`` would refuse at its first update: a static format without scales,
+    an artifact the format ignores, scales or statistics of another shape, no query statistics for ``o<N>q``."""
+    from kvpack.cache.calibrated import resolve_calibration, resolve_outlier_channels, resolve_query_energy
+
     cpu = torch.device("cpu")
-    resolve_calibration(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
-    resolve_outlier_channels(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
-    resolve_query_energy(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+    for resolve in (resolve_calibration, resolve_outlier_channels, resolve_query_energy):
+        resolve(fmt, calibration, num_layers, kv_heads, head_dim, cpu)
+
+
+def _resolve_calibration(
+    calibration: Any, config: PreTrainedConfig, fmt: KVFormat, num_layers: int, kv_heads: int, head_dim: int
+) -> Any:
+    """The calibration a :class:`KVPackCache` hands its paged cache, loaded and checked now (fail closed):
+    :func:`_load_calibration`, then :func:`_check_format_calibration`, before the model runs."""
+    calibration = _load_calibration(calibration, config)
+    _check_format_calibration(fmt, calibration, num_layers, kv_heads, head_dim)
     return calibration
 
 
@@ -555,7 +557,7 @@ def _resolve_plan_calibration(
     calibration: Any, config: PreTrainedConfig, layer_formats: list[KVFormat], kv_heads: int, head_dim: int
 ) -> Any:
     """The artifact a per-layer plan's :class:`~kvpack.cache.layered.LayeredKVCache` hands its parts, loaded and
-    checked now: every format of the plan that takes one (static specs, ``o<N>q``) is checked against its layers'
+    checked now: every format of the plan that needs one (static specs, ``o<N>q``) is checked against its layers'
     rows, as its part will be at the first update.
 
     Raises:
@@ -563,24 +565,16 @@ def _resolve_plan_calibration(
             one made for another model, or one that does not fit a format (scales of another spec, no query
             statistics).
     """
-    from pathlib import Path
+    from kvpack.cache.layered import LayeredKVCache
 
-    from kvpack.calibration.artifact import Artifact, load_artifact
-
-    if isinstance(calibration, (str, Path)):
-        calibration = load_artifact(calibration, model=config)
-    elif isinstance(calibration, Artifact):
-        calibration.check_model(config)
+    calibration = _load_calibration(calibration, config)
     if calibration is not None:
-        from kvpack.cache.layered import LayeredKVCache
-
-        LayeredKVCache.check_calibration(calibration, layer_formats)
+        LayeredKVCache.check_calibration(calibration, layer_formats)  # an artifact, taken by some format
     for fmt in {f.spec_string(): f for f in layer_formats}.values():
-        layers = [i for i, f in enumerate(layer_formats) if f == fmt]
-        takes = fmt.is_static or fmt.query_ranked
-        part = calibration.select_layers(layers) if takes and isinstance(calibration, Artifact) else None
-        if takes:
-            _resolve_calibration(part, config, fmt, len(layers), kv_heads, head_dim, check_model=False)
+        if fmt.needs_artifact:
+            layers = [i for i, f in enumerate(layer_formats) if f == fmt]
+            part = None if calibration is None else calibration.select_layers(layers)
+            _check_format_calibration(fmt, part, len(layers), kv_heads, head_dim)
     return calibration
 
 

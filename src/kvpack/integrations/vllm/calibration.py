@@ -118,7 +118,7 @@ def layer_calibration(
         CalibrationError: the artifact does not have this layer's geometry.
     """
     if path is None or not (fmt.is_static or fmt.has_outliers):
-        if fmt.is_static or fmt.query_ranked:
+        if fmt.needs_artifact:
             what = "calibrated (static) scales" if fmt.is_static else "the queries' statistics"
             raise ConfigError(f"kvpack: format {fmt.name} needs {what}; name a calibration")
         return None
