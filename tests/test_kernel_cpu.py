@@ -341,7 +341,14 @@ def test_int_and_float_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_close(outs[True], outs[False], *INT_TOL)  # ...within the stated bound
 
 
-OUTLIER_FORMATS = ["fp8-o4", "int4-o4", "k=int4:channel:o4,v=int8:token", "k=int8:token:o2,v=int4:g32"]
+OUTLIER_FORMATS = [
+    "fp8-o4",
+    "int4-o4",
+    "k=int4:channel:o4,v=int8:token",
+    "k=int8:token:o2,v=int4:g32",
+    "k=int4:channel:asym:o5r,v=int4:g32:asym",  # refinement codes, an odd count (a half-filled byte per row)
+    "k=int2:channel:asym:o4r,v=int8:token",  # refined 2-bit keys
+]
 
 
 @pytest.mark.parametrize("spec", OUTLIER_FORMATS)
@@ -353,8 +360,9 @@ def test_outlier_channels_match_reference(spec: str, block: int, head_dim: int, 
     assert K.backend_reasons("cpu", torch.randn(kv.batch, 4, head_dim), kv) == []
     q = torch.randn(kv.batch, 4, head_dim)
     _, ref = _check(kv, q)
-    # the residuals matter: without them the reference moves by more than the tolerance
-    plain = dataclasses.replace(kv, k_outlier=torch.zeros_like(kv.k_outlier))
+    # the residuals matter: without them the reference moves by more than the tolerance (0x88: refinement
+    # codes of a zero residual)
+    plain = dataclasses.replace(kv, k_outlier=torch.full_like(kv.k_outlier, 0x88 if fmt.key.refined else 0))
     assert (reference.decode_attention(q, plain) - ref).abs().max() > 10 * INT_TOL[0]
     _check(kv, q, window=block + 3)
 

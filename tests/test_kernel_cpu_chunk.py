@@ -94,6 +94,24 @@ def test_chunk_lengths(name: str, t: int) -> None:
     _check(kv, _q(kv, t, 4, seed=t))
 
 
+@pytest.mark.parametrize(
+    "name,head_dim",
+    [("k=int4:channel:asym:o6r,v=int4:g32:asym,sink=1", 64), ("k=int4:channel:o5r,v=int8:token,block=32", 80)],
+)
+def test_refined_outlier_channels_match_reference(name: str, head_dim: int) -> None:
+    """Refinement codes (4 bits per kept element on its channel's scale step, two per byte, an odd count
+    leaving half a byte) are read in the chunk kernel as the reference reads them, and they matter."""
+    from kvpack.formats import parse_format
+
+    fmt = parse_format(name)
+    kv, _, _ = random_paged_kv(fmt, [9, 2 * fmt.block_size + 7, 150], kv_heads=2, head_dim=head_dim, seed=3)
+    assert kv.k_outlier.dtype == torch.uint8 and kv.k_outlier.shape[-1] == (fmt.key.outliers + 1) // 2
+    q = _q(kv, 7, 4, seed=7)
+    _check(kv, q)
+    plain = dataclasses.replace(kv, k_outlier=torch.full_like(kv.k_outlier, 0x88))  # zero residuals
+    assert (reference.chunk_attention(q, plain) - reference.chunk_attention(q, kv)).abs().max() > 1e-2
+
+
 def test_chunk_of_512_over_a_longer_history() -> None:
     kv, _, _ = random_paged_kv(PRESETS["int8"], [512 + 77, 700], kv_heads=1, head_dim=64, seed=5)
     _check(kv, _q(kv, 512, 4))

@@ -96,11 +96,15 @@ def _run(
 
 # ---- every preset; lengths 1, B-1, B+1 and several blocks, GQA 4, shuffled tables, split and not
 
+# kept key channels stored as 4-bit refinement codes (an odd count: the last byte of each row half used)
+REFINED = "k=int4:channel:asym:o5r,v=int4:g32:asym"
+
 
 @pytest.mark.parametrize(
     "name",
-    ["fp16", "bf16", "int8", "fp8-plain", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32", "fp8-o4", "int4-o4"],
-)
+    ["fp16", "bf16", "int8", "fp8-plain", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32", "fp8-o4", "int4-o4",
+     REFINED],
+)  # fmt: skip
 def test_presets_match_reference(name):
     _run(name, [1, 15, 17, 50], num_splits=None)
 
@@ -123,7 +127,7 @@ def test_block_size_32(name, lengths):
 @pytest.mark.parametrize(
     ("name", "head_dim"),
     [("int8", 80), ("int4", 80), ("kivi2", 80), ("fp8-o4", 96), ("k4v2", 112), ("int4-o4", 96), ("fp16", 80),
-     ("int4", 16), ("kivi2", 32)],
+     ("int4", 16), ("kivi2", 32), (REFINED, 96)],
 )  # fmt: skip
 def test_head_dims_that_pad(name, head_dim):
     _run(name, [1, 15, 17, 50], head_dim=head_dim, num_splits=2)

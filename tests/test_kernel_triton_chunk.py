@@ -41,7 +41,7 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_PRESETS = ["fp16", "bf16", "int8", "fp8-plain", "fp8_e5m2", "int4", "k8v4", "k4v2", "kivi2", "int4-g32"]
-DECODE_PRESETS += ["fp8-o4", "int4-o4"]
+DECODE_PRESETS += ["fp8-o4", "int4-o4", "k=int4:channel:asym:o5r,v=int4:g32:asym"]
 TOL = {**TOL, torch.float16: (1e-2, 1e-2)}  # see the module docstring
 
 
@@ -107,7 +107,7 @@ def test_presets_match_reference(name, t):
     _check_against_reference(kv, t, msg=name)
 
 
-@pytest.mark.parametrize("name", ["int8", "kivi2", "fp8-plain", "int4-o4", "fp8-o4"])
+@pytest.mark.parametrize("name", ["int8", "kivi2", "fp8-plain", "int4-o4", "fp8-o4", "k=int4:channel:o6r,v=int4"])
 def test_last_row_is_the_decode_kernels_answer(name):
     # the chunk's last query sits where a decode query sits; both kernels read the same codes with the same
     # helpers in the same order (sink, blocks, tail): the same numbers out up to the last bit of a float16 result

@@ -36,6 +36,7 @@ from kvpack.testing import CPU_CHUNK_TOL, assert_close, cpu_kernel_tolerance
 H, D, HQ = 2, 64, 4
 POISON = 0x7F  # every byte of a foreign page: a NaN/huge value in any dtype if a read strays there
 TRITON_TOL = (2e-5, 1e-4)  # float32 queries, test_kernel_triton.TOL
+REFINED = "k=int4:channel:asym:o5r,v=int4:g32:asym,sink=1"  # kept key channels as 4-bit refinement codes
 
 
 def _pages(layout: PageLayout, num_blocks: int, interleave: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +50,8 @@ def _pages(layout: PageLayout, num_blocks: int, interleave: int = 2) -> tuple[to
 
 
 @pytest.mark.parametrize(
-    "preset", ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0", "int4-o4", "fp8-o4", "int8,tail=fp16"]
+    "preset",
+    ["int8", "int4", "kivi2", "fp8", "k8v4", "fp16", "int4,sink=0", "int4-o4", "fp8-o4", "int8,tail=fp16", REFINED],
 )
 def test_page_holds_exactly_the_format_bytes_plus_the_sink_rows(preset):
     fmt = parse_format(preset)
@@ -98,6 +100,10 @@ def test_outlier_channels_have_their_regions_in_the_page():
     assert (res.shape, res.dtype) == ((H, fmt.block_size, 4), torch.float16)
     assert (idx.shape, idx.dtype) == ((H, 4), torch.uint8)
     assert res.nbytes + idx.nbytes == fmt.outlier_bytes(H, D)
+    refined = parse_format(REFINED)  # 5 channels: 3 bytes of 4-bit refinement codes per token
+    res, idx = (PageLayout.build(refined, H, D, torch.float32).region(n) for n in ("k_outlier", "k_outlier_idx"))
+    assert (res.shape, res.dtype, idx.shape) == ((H, refined.block_size, 3), torch.uint8, (H, 5))
+    assert res.nbytes + idx.nbytes == refined.outlier_bytes(H, D)
     assert PageLayout.build(parse_format("int4"), H, D, torch.float32).region("k_outlier") is None
 
 
@@ -375,7 +381,7 @@ class _Sim:
      ("int4-o4", "auto"), ("fp8-o4", "auto"), ("int4-o4,block=16", "triton"), ("int8@static", "auto"),
      ("fp8@static", "reference"), ("k=int8:channel:asym:static:o4,v=int8:token,sink=1", "auto"),
      ("int8,tail=fp16", "auto"), ("int4,block=16,tail=bf16", "reference"), ("int4,block=16,tail=fp16", "triton"),
-     ("fp8,tail=fp16", "auto")],
+     ("fp8,tail=fp16", "auto"), (REFINED, "auto"), (REFINED + ",block=16", "triton")],
 )  # fmt: skip
 def test_layer_under_a_scheduler_matches_kvpacks_own_cache(preset, kernel):
     """``triton``: the Triton decode and chunk kernels (under the interpreter) reading the strided page views

@@ -258,6 +258,14 @@ class QuantSpec:
     abs-max for a symmetric one). A key channel's error reaches the score through the query, so this keeps the
     channels whose error the queries would read. Same bytes and kernels as ``o<k>``; needs the artifact.
 
+    ``refined=True`` (``o<k>r``, ``o<k>qr``) stores each kept element as a 4-bit *refinement* of its own
+    payload code instead of an fp16 residual: with block-local per-channel scales a kept channel is quantized
+    under its own scale ``s`` like every other channel, so its residual lies within ``s / 2``, and a code ``u``
+    of it on a grid of ``s / 16`` (residual ``(u - 7.5) * s / 16``) gives the channel four more bits (int4 keys:
+    int8 precision) for a quarter of the fp16 residual's bytes. The codes are packed two channels per byte
+    (``[kv_heads, block_size, ceil(k / 2)]`` uint8, channel ``j`` in byte ``j // 2``, low nibble first). Integer
+    dtypes with per-channel, block-local scales only.
+
     ``rotate=True`` (keys only) stores keys multiplied by a fixed orthogonal matrix ``R`` (a random-sign
     Hadamard, :func:`kvpack.rotation.key_rotation`; block-diagonal where head_dim is not a power of two): ``k @ R`` spreads a few
     outlier channels over all of them, so per-head scales and fp8's relative error treat every channel
@@ -274,6 +282,7 @@ class QuantSpec:
     outliers: int = 0
     rotate: bool = False
     query_ranked: bool = False
+    refined: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -288,6 +297,10 @@ class QuantSpec:
             raise FormatError(
                 "query_ranked ranks outlier channels by the queries, and this spec keeps none: give o<N>q (N > 0)"
             )
+        if not isinstance(self.refined, bool):
+            raise FormatError(f"refined must be a bool, got {self.refined!r}")
+        if self.refined:
+            self._check_refined()
         if self.dtype.is_passthrough:
             if self.outliers:
                 raise FormatError(
@@ -318,6 +331,23 @@ class QuantSpec:
             raise FormatError(
                 f"static (calibrated) scales are per channel, head or tensor, not per {self.granularity.name}: "
                 "a per-token scale is always computed when its token is sealed; drop 'static' or use 'channel'"
+            )
+
+    def _check_refined(self) -> None:
+        """A refinement code is a residual on a grid of the kept channel's own scale step: it needs kept
+        channels, an integer dtype and per-channel scales chosen per block (a calibrated scale can clip a kept
+        element by more than one step)."""
+        if not self.outliers:
+            raise FormatError(
+                "refined stores kept outlier channels as 4-bit codes, and this spec keeps none: give o<N>r"
+            )
+        if not self.dtype.is_int or not isinstance(self.granularity, PerChannel) or self.static:
+            raise FormatError(
+                f"'o{self.outliers}{'q' if self.query_ranked else ''}r' refines a kept channel on a grid of its own "
+                "block-local scale step, which needs an integer dtype with 'channel' scales and no 'static'; got "
+                f"{self.dtype.value}:{self.granularity.name if self.granularity else 'none'}"
+                + (":static" if self.static else "")
+                + f": use 'o{self.outliers}{'q' if self.query_ranked else ''}' (fp16 residuals) instead"
             )
 
     # -- derived facts ------------------------------------------------------------------------------
@@ -383,10 +413,23 @@ class QuantSpec:
         """Bytes of one stored outlier channel index: uint8 up to head_dim 256, int16 past it."""
         return 1 if head_dim <= 256 else 2
 
+    @property
+    def residual_width(self) -> int:
+        """Last-axis length of the stored residuals ``[kv_heads, block_size, w]``: ``k`` fp16 residuals, or
+        ``ceil(k / 2)`` bytes of packed 4-bit refinement codes (``refined``); 0 without outliers."""
+        return (self.outliers + 1) // 2 if self.refined else self.outliers
+
+    @property
+    def residual_itemsize(self) -> int:
+        """Bytes of one stored residual element: 2 (fp16), or 1 (uint8, two refinement codes)."""
+        return 1 if self.refined else 2
+
     def outlier_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
-        """Outlier bytes of one block: fp16 residuals ``[kv_heads, block_size, k]`` plus indices ``[kv_heads, k]``."""
+        """Outlier bytes of one block: residuals ``[kv_heads, block_size, residual_width]`` (fp16, or packed 4-bit
+        codes when ``refined``) plus indices ``[kv_heads, k]``."""
         k = self.outliers
-        return kv_heads * block_size * k * 2 + kv_heads * k * self.outlier_index_bytes(head_dim)
+        residual = kv_heads * block_size * self.residual_width * self.residual_itemsize
+        return residual + kv_heads * k * self.outlier_index_bytes(head_dim)
 
     def block_bytes(self, kv_heads: int, block_size: int, head_dim: int) -> int:
         return (
@@ -422,7 +465,7 @@ class QuantSpec:
         if self.static:
             parts.append("static")
         if self.outliers:
-            parts.append(f"o{self.outliers}" + ("q" if self.query_ranked else ""))
+            parts.append(f"o{self.outliers}" + ("q" if self.query_ranked else "") + ("r" if self.refined else ""))
         if self.rotate:
             parts.append("rot")
         return ":".join(parts)
@@ -643,6 +686,8 @@ class KVFormat:
 def _static_spec(spec: QuantSpec) -> QuantSpec:
     if spec.is_passthrough or not isinstance(spec.granularity, (PerChannel, PerHead, PerTensor)):
         return spec
+    if spec.refined:  # refinement codes need the block-local scale step: the spec keeps its own scales
+        return spec
     if spec.dtype.is_fp8 and not spec.symmetric:
         # a midpoint is block-local by nature; the calibrated form is what serving engines store: one e4m3
         # scale per head, symmetric (so `fp8@static` is plain static e4m3 whatever the block-local fp8 is)
@@ -785,6 +830,7 @@ def preset(name: str) -> KVFormat:
 #                 kv=SPEC[,...]
 # SPEC = DTYPE[:FIELD...]; FIELD = tensor|head|channel|token|g<N> | sym|asym | fp32|fp16|bf16|e8m0|fp8 | static
 #        | o<N> (keys only: N outlier channels per kv head kept in full precision) | o<N>q (ranked by the queries)
+#        | o<N>r, o<N>qr (kept channels stored as 4-bit refinements of their own codes)
 
 _DTYPE_NAMES = {d.value: d for d in DType} | {"fp8": DType.FP8_E4M3, "e4m3": DType.FP8_E4M3, "e5m2": DType.FP8_E5M2}
 _GRAN_NAMES = {"tensor": PerTensor(), "head": PerHead(), "channel": PerChannel(), "token": PerToken()}
@@ -802,7 +848,9 @@ SYNTAX_HELP = (
     "{dtypes} and FIELDs from: granularity tensor|head|channel|token|g<N>, sym|asym, scale dtype "
     "fp32|fp16|bf16|e8m0 (alias fp8), 'static' for calibrated scales (needs a calibration artifact), and "
     "'o<N>' (keys only) to keep N key channels per kv head in full precision as fp16 residuals ('o<N>q' ranks "
-    "them by the queries' energy, from a calibration artifact), and 'rot' "
+    "them by the queries' energy, from a calibration artifact; a trailing 'r', as in 'o6qr', stores each kept "
+    "element as a 4-bit refinement of its own code instead: int8 precision for a quarter of the bytes, integer "
+    "'channel' keys only), and 'rot' "
     "(keys only) to store keys rotated by a fixed Hadamard matrix. "
     "'sink=N' keeps the first N positions of every sequence (the attention sink) also in full precision "
     "(0 <= N <= block; 2 x kv_heads x N x head_dim tail-dtype bytes per sequence and layer). "
@@ -821,7 +869,7 @@ def _field_kind(field: str, is_group: bool) -> str | None:
         return "static"
     if field in ("rot", "rotate"):
         return "rotation"
-    if re.fullmatch(r"o(?:utliers)?[0-9]+q?", field):
+    if re.fullmatch(r"o(?:utliers)?[0-9]+q?r?", field):
         return "outliers"
     if field in _GRAN_NAMES or is_group:
         return "granularity"
@@ -847,6 +895,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
     static = False
     outliers = 0
     query_ranked = False
+    refined = False
     rotate = False
     seen: dict[str, str] = {}  # field kind -> the field that set it: a second one is a contradiction
     for p in parts[1:]:
@@ -856,7 +905,8 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
             raise FormatError(
                 f"unknown field {p!r} in {role} spec {text!r}; fields are granularity "
                 "(tensor, head, channel, token, g<N>), sym|asym, scale dtype (fp32, fp16, bf16, e8m0), static, "
-                "o<N> or o<N>q (outlier key channels, ranked by range or by the queries), rot (rotated keys)"
+                "o<N> or o<N>q (outlier key channels, ranked by range or by the queries; o<N>r, o<N>qr refined), "
+                "rot (rotated keys)"
             )
         if kind in seen:
             raise FormatError(f"{role} spec {text!r} gives the {kind} twice ({seen[kind]!r} and {p!r}); keep one")
@@ -874,7 +924,8 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
                     "move it to the k= spec (with kv=, give k= and v= separately)"
                 )
             outliers = int(re.sub(r"[^0-9]", "", p))
-            query_ranked = p.endswith("q")
+            refined = p.endswith("r")
+            query_ranked = p.rstrip("r").endswith("q")
             if outliers <= 0:
                 raise FormatError(f"{p!r} in the {role} spec {text!r}: o<N> keeps N > 0 channels; drop it for none")
         elif group:
@@ -889,7 +940,7 @@ def _parse_spec(text: str, role: str) -> QuantSpec:
         gran = PerHead() if dtype.is_fp8 else (PerChannel() if role == "key" else PerToken())
     if sym is None:
         sym = dtype.is_fp8 or dtype is DType.INT8
-    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate, query_ranked)
+    return QuantSpec(dtype, gran, sym, scale, static, outliers, rotate, query_ranked, refined)
 
 
 def parse_format(text: str | KVFormat) -> KVFormat:

@@ -10,10 +10,14 @@ A few key channels per head run much larger than the rest, for every token. A ke
 2. quantize with the kept channels left out of the scales (:func:`quantize_kept`): scales come from the
    block with the kept channels *neutrally filled* (:func:`neutral_fill`), and each kept element stores
    whichever code makes it reconstruct best (the fill's, or its own clipped to the scales' range);
-3. store the fp16 *residual* ``x - dequantize(payload)`` at the kept channels.
+3. store the fp16 *residual* ``x - dequantize(payload)`` at the kept channels, or, for a ``refined`` spec
+   (``o<k>r``), a 4-bit code of it on a grid of the channel's own scale step (:func:`refine`): each kept
+   element keeps its own payload code, and its residual, within half a step, is stored as ``u`` with
+   ``residual = (u - 7.5) * s / 16`` (:func:`unrefine`).
 
 Reconstruction: ``k = dequantize(payload); k[..., idx] += residual.float()`` (:func:`apply_residual`); a
-kernel adds ``sum_j q[idx_j] * residual[t, j]`` to the score of token ``t``. Because the residual is taken
+kernel adds ``sum_j q[idx_j] * residual[t, j]`` to the score of token ``t`` (refined: ``sum_j q[idx_j] *
+s[idx_j] * (u[t, j] - 7.5) / 16``, the query with the key scales folded in). Because the residual is taken
 against the stored payload, it also works with static (calibrated) scales.
 
 The guarantee: every kept channel of a block reconstructs with a largest error (over the block's tokens) no
@@ -30,24 +34,29 @@ import torch
 
 from kvpack.errors import CalibrationError, ShapeError
 from kvpack.formats import QuantSpec
-from kvpack.quant import QuantizedTensor, _raise_non_finite, choose_qparams, dequantize, quantize
+from kvpack.quant import QuantizedTensor, _raise_non_finite, choose_qparams, decode_scale, dequantize, quantize
 
 __all__ = [
     "OutlierBlocks",
+    "apply_kept",
     "apply_residual",
     "artifact_outlier_channels",
     "check_channels",
     "dequantize_outliers",
     "fill_outliers",
     "index_dtype",
+    "kept_steps",
     "neutral_fill",
     "outlier_mask",
     "outlier_residual",
     "quantize_kept",
     "quantize_outliers",
     "query_ranked_channels",
+    "refine",
+    "residual_dtype",
     "seal_time_channels",
     "select_outlier_channels",
+    "unrefine",
 ]
 
 
@@ -166,25 +175,92 @@ def _expand_idx(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return idx.unsqueeze(-2).expand(*like.shape[:-1], idx.shape[-1])
 
 
-def apply_residual(x: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def residual_dtype(spec: QuantSpec) -> torch.dtype:
+    """Dtype of a key spec's stored residuals: ``torch.uint8`` (packed refinement codes) when ``refined``,
+    else ``torch.float16``."""
+    return torch.uint8 if spec.refined else torch.float16
+
+
+# A refinement code u in [0, 16) stands for the residual (u - REFINE_MID) * step / REFINE_LEVELS
+REFINE_LEVELS = 16
+REFINE_MID = 7.5
+
+
+def kept_steps(scale: torch.Tensor, spec: QuantSpec, idx: torch.Tensor) -> torch.Tensor:
+    """The kept channels' own scale steps: float32 ``[..., H, 1, k]`` from stored per-channel block scales
+    ``scale`` ``[..., H, 1, D]`` (the spec's scale dtype) at ``idx`` ``[..., H, k]`` (or ``[H, k]``)."""
+    steps = decode_scale(scale, spec.scale_dtype)
+    at = idx.to(scale.device).long().unsqueeze(-2)
+    return steps.gather(-1, at.expand(*steps.shape[:-1], at.shape[-1]))
+
+
+def refine(residual: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Refinement codes of residuals within half a step: ``u = clamp(floor(r / step * 16 + 8), 0, 15)``, so
+    ``(u - 7.5) * step / 16`` is within ``step / 32`` of ``r`` (a zero step codes 8, which decodes to 0).
+
+    Args:
+        residual: ``[..., H, T, k]`` float, ``x - dequantize(payload)`` at the kept channels.
+        step: ``[..., H, 1, k]`` float32, their scale steps (:func:`kept_steps`).
+
+    Returns:
+        ``[..., H, T, ceil(k / 2)]`` uint8: channel ``j`` in byte ``j // 2``, the low nibble for even ``j``.
+    """
+    r = residual.float()
+    u = torch.where(step > 0, torch.floor(r / step * REFINE_LEVELS + REFINE_LEVELS / 2), REFINE_LEVELS / 2)
+    u = u.nan_to_num(REFINE_LEVELS / 2).clamp(0, REFINE_LEVELS - 1).to(torch.uint8)
+    if u.shape[-1] % 2:
+        u = torch.nn.functional.pad(u, (0, 1))
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
+def unrefine(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The residuals that packed refinement ``codes`` ``[..., H, T, ceil(k / 2)]`` uint8 stand for: float32
+    ``[..., H, T, k]``, ``(u - 7.5) * step / 16`` with ``step`` ``[..., H, 1, k]`` float32."""
+    k = step.shape[-1]
+    u = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)[..., :k].float()
+    return (u - REFINE_MID) * (step / REFINE_LEVELS)
+
+
+def apply_residual(
+    x: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor, step: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x`` with ``residual`` added at the kept channels: ``x[..., idx] += residual.float()`` (a new tensor).
 
     Args:
         x: ``[..., H, T, D]`` float32, a dequantized payload.
-        residual: ``[..., H, T, k]`` float16.
+        residual: ``[..., H, T, k]`` float16, or ``[..., H, T, ceil(k / 2)]`` uint8 refinement codes.
         idx: ``[..., H, k]`` uint8/int16/int64 ascending channel indices (or ``[H, k]``, shared).
+        step: ``[..., H, 1, k]`` float32, the kept channels' scale steps (:func:`kept_steps`): refinement codes
+            need them.
+
+    Raises:
+        ShapeError: refinement codes without ``step``.
     """
+    if residual.dtype == torch.uint8:
+        if step is None:
+            raise ShapeError("refinement codes (uint8 residuals) need the kept channels' scale steps: pass step")
+        residual = unrefine(residual, step)
     return x.scatter_add(-1, _expand_idx(idx, x), residual.to(x.dtype))
+
+
+def apply_kept(
+    x: torch.Tensor, residual: torch.Tensor, idx: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`apply_residual` for stored blocks of key spec ``spec``: refinement codes take their steps from the
+    blocks' stored per-channel scales ``scale`` ``[..., H, 1, D]`` (unread for fp16 residuals)."""
+    step = kept_steps(scale, spec, idx) if spec.refined else None
+    return apply_residual(x, residual, idx, step)
 
 
 @dataclass
 class OutlierBlocks:
-    """Key blocks sealed with outlier channels: the quantized payload plus the fp16 residuals and indices.
+    """Key blocks sealed with outlier channels: the quantized payload plus the residuals and indices.
 
     Attributes:
         qt: the payload and scales, ``[..., H, T, D]`` logical shape, the spec's normal layout (the kept
             channels hold the quantized neutral fill).
-        residual: ``[..., H, T, k]`` float16, ``x - dequantize(qt)`` at the kept channels.
+        residual: ``[..., H, T, k]`` float16, ``x - dequantize(qt)`` at the kept channels; for a refined spec
+            ``[..., H, T, ceil(k / 2)]`` uint8 refinement codes of it (:func:`refine`).
         idx: ``[..., H, k]``, dtype :func:`index_dtype`, ascending channel indices.
     """
 
@@ -248,13 +324,17 @@ def outlier_residual(x: torch.Tensor, qt: QuantizedTensor, channels: torch.Tenso
 
     Returns:
         ``(residual, idx)``: ``[..., H, T, k]`` float16 ``x - dequantize(qt)`` at the kept channels (saturated
-        at the fp16 range, never inf), and ``[..., H, k]`` indices in :func:`index_dtype`.
+        at the fp16 range, never inf), or for a refined spec its ``[..., H, T, ceil(k / 2)]`` uint8 refinement
+        codes (:func:`refine`), and ``[..., H, k]`` indices in :func:`index_dtype`.
     """
     xf = x.float()
     gidx = _expand_idx(channels, xf)
-    residual = _residual(xf.gather(-1, gidx), dequantize(qt).gather(-1, gidx))
     k = channels.shape[-1]
     idx = channels.to(x.device).expand(*x.shape[:-2], k).to(index_dtype(x.shape[-1])).contiguous()
+    if qt.spec.refined:
+        residual = refine(xf.gather(-1, gidx) - dequantize(qt).gather(-1, gidx), kept_steps(qt.scale, qt.spec, idx))
+    else:
+        residual = _residual(xf.gather(-1, gidx), dequantize(qt).gather(-1, gidx))
     return residual.contiguous(), idx
 
 
@@ -300,7 +380,8 @@ def quantize_kept(
         zero = None if zero is None else torch.where(only_kept, own_z, zero)
     base_fill = dequantize(quantize(filled, spec, scale, zero))
     base_own = dequantize(quantize(xf, spec, scale, zero))
-    use_own = mask & (_kept_error(xf, base_own) < _kept_error(xf, base_fill))
+    # a refinement code reaches half a step around the element's own code only: kept elements keep their own
+    use_own = mask & ((_kept_error(xf, base_own) < _kept_error(xf, base_fill)) | spec.refined)
     payload = torch.where(use_own, xf, filled)
     if local:
         # per kept channel (its largest error over the block's tokens): never worse than without outliers
@@ -351,7 +432,7 @@ def quantize_outliers(
 
 def dequantize_outliers(ob: OutlierBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reconstruct ``[..., H, T, D]``: ``dequantize(payload)`` with the residuals added at the kept channels."""
-    return apply_residual(dequantize(ob.qt, torch.float32), ob.residual, ob.idx).to(dtype)
+    return apply_kept(dequantize(ob.qt, torch.float32), ob.residual, ob.idx, ob.qt.spec, ob.qt.scale).to(dtype)
 
 
 # Calibrated channels: the top-k per layer and head of a calibration artifact, copied into every sealed block.

@@ -526,8 +526,8 @@ def vllm_page(fmt: KVFormat, kv_heads: int, head_dim: int, act_bytes: int) -> Vl
             sizes.append((f"{prefix}_scale", n * spec.scale_dtype.bytes))
             if spec.has_zero:
                 sizes.append((f"{prefix}_zero", n * spec.zero_dtype.bytes))
-        if spec.has_outliers:  # keys only: fp16 residuals [H, B, k], channel indices [H, k]
-            sizes.append((f"{prefix}_outlier", h * b * spec.outliers * 2))
+        if spec.has_outliers:  # keys only: residuals [H, B, w] (fp16, or packed refinement codes), indices [H, k]
+            sizes.append((f"{prefix}_outlier", h * b * spec.residual_width * spec.residual_itemsize))
             sizes.append((f"{prefix}_outlier_idx", h * spec.outliers * spec.outlier_index_bytes(d)))
     if fmt.sink:  # in the tail dtype: the format's own (tail=), else the model's
         sink = h * fmt.sink * d * fmt.tail_element_bytes(act_bytes)

@@ -11,7 +11,7 @@ import torch
 
 from kvpack.formats import KVFormat, QuantSpec
 from kvpack.kernels.views import PagedKV
-from kvpack.outliers import index_dtype, quantize_outliers
+from kvpack.outliers import index_dtype, quantize_outliers, residual_dtype
 from kvpack.quant import payload_torch_dtype, quantize, scale_torch_dtype, snr_db
 from kvpack.rotation import key_rotation, rotate, unrotate
 
@@ -132,7 +132,7 @@ def _pool(spec: QuantSpec, blocks: list[torch.Tensor], ids: list[int], num_block
     if spec.has_outliers:
         obs = [quantize_outliers(x, spec) for x in blocks]
         qts = [ob.qt for ob in obs]
-        outlier = _poison_like((num_blocks, h, b, spec.outliers), torch.float16)
+        outlier = _poison_like((num_blocks, h, b, spec.residual_width), residual_dtype(spec))
         idt = index_dtype(d)
         # out-of-range channel indices: a kernel that reads the null block's indices would fail loudly
         outlier_idx = torch.full((num_blocks, h, spec.outliers), 0xFF if idt == torch.uint8 else 0x7FFF, dtype=idt)

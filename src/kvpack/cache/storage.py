@@ -14,7 +14,7 @@ import torch
 from kvpack.cache import hugepages
 from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat, QuantSpec
-from kvpack.outliers import apply_residual, index_dtype
+from kvpack.outliers import apply_kept, index_dtype, residual_dtype
 from kvpack.quant import QuantizedTensor, dequantize, payload_torch_dtype, scale_torch_dtype
 
 __all__ = ["POOL_NAMES", "BlockStorage"]
@@ -55,7 +55,8 @@ class BlockStorage:
         k_data: ``[L, N, H, B, Pk]``, dtype ``quant.payload_torch_dtype(format.key)``.
         k_scale: ``[L, N, Hs, Ts, Cs]``, dtype of the key scale storage; ``None`` for passthrough keys.
         k_zero: like ``k_scale``, dtype of ``format.key.zero_dtype``; ``None`` unless asymmetric.
-        k_outlier: ``[L, N, H, B, k]`` float16, the residuals of a key spec with ``outliers=k``; else ``None``.
+        k_outlier: ``[L, N, H, B, k]`` float16, the residuals of a key spec with ``outliers=k`` (``refined``:
+            ``[L, N, H, B, ceil(k / 2)]`` uint8 refinement codes); else ``None``.
         k_outlier_idx: ``[L, N, H, k]`` uint8 (int16 when head_dim > 256), the kept channels; else ``None``.
         v_data, v_scale, v_zero: the same for values.
     """
@@ -72,7 +73,8 @@ class BlockStorage:
         self.k_outlier = self.k_outlier_idx = None
         k = fmt.key.outliers
         if k:
-            self.k_outlier = hugepages.zeros((*lead, kv_heads, b, k), torch.float16, device)
+            w = fmt.key.residual_width
+            self.k_outlier = hugepages.zeros((*lead, kv_heads, b, w), residual_dtype(fmt.key), device)
             self.k_outlier_idx = hugepages.zeros((*lead, kv_heads, k), index_dtype(head_dim), device)
 
     def pools(self) -> dict[str, torch.Tensor]:
@@ -140,5 +142,7 @@ class BlockStorage:
             data, scale, zero = (None if p is None else p[layers, block] for p in parts)
             out.append(dequantize(QuantizedTensor(data, scale, zero, spec, self.head_dim)))
         if self.k_outlier is not None:
-            out[0] = apply_residual(out[0], self.k_outlier[layers, block], self.k_outlier_idx[layers, block])
+            res, idx = self.k_outlier[layers, block], self.k_outlier_idx[layers, block]
+            scale = None if self.k_scale is None else self.k_scale[layers, block]
+            out[0] = apply_kept(out[0], res, idx, self.format.key, scale)
         return out[0], out[1]

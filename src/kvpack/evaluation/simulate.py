@@ -24,7 +24,7 @@ from kvpack.cache.write import seal_outliers
 from kvpack.calibration.static import LayerScales, seal_with_static
 from kvpack.errors import ConfigError
 from kvpack.formats import KVFormat
-from kvpack.outliers import apply_residual
+from kvpack.outliers import apply_kept
 from kvpack.quant import dequantize, quantize, tail_torch_dtype
 from kvpack.rotation import key_rotation, rotate, unrotate
 
@@ -65,7 +65,7 @@ def roundtrip_blocks(
         raise ConfigError(f"{spec} takes calibrated scales and none were given to the simulate engine")
     if spec.outliers:  # the cache's own seal; channels chosen per block, as without a calibration artifact
         qt, _, (residual, idx) = seal_outliers(flat, spec, scales, None, energy)
-        rec = apply_residual(dequantize(qt, torch.float32), residual, idx)
+        rec = apply_kept(dequantize(qt, torch.float32), residual, idx, spec, qt.scale)
     elif spec.static:
         rec = dequantize(seal_with_static(flat, spec, scales)[0], torch.float32)
     else:

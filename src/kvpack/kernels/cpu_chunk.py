@@ -74,7 +74,7 @@ def spec_vector(p: np.ndarray) -> np.ndarray:
                      (d.P_OFF, c.C_OFF), (d.P_PER, c.C_PER), (d.P_HS, c.C_HS), (d.P_TS, c.C_TS), (d.P_CS, c.C_CS),
                      (d.P_ROW, c.C_ROW), (d.P_BST, c.C_BST), (d.P_SBST, c.C_SBST), (d.P_ZBST, c.C_ZBST),
                      (d.P_NOUT, c.C_NOUT), (d.P_IDX16, c.C_IDX16), (d.P_OBST, c.C_OBST),
-                     (d.P_IBST, c.C_IBST)):  # fmt: skip
+                     (d.P_IBST, c.C_IBST), (d.P_REF, c.C_REF)):  # fmt: skip
         out[dst] = p[src]
     return out
 

@@ -45,8 +45,8 @@ SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # [HS, TS, CS] per block, packed row length (elements), float kind of FLT rows, block strides of the payload,
 # scale and zero pools, outlier channels and whether their indices are int16
 (C_KIND, C_OFF, C_PER, C_SKIND, C_ZKIND, C_HS, C_TS, C_CS, C_ROW, C_FK, C_BST, C_SBST, C_ZBST, C_NOUT,
- C_IDX16, C_OBST, C_IBST) = range(17)  # fmt: skip
-N_SPEC = 17
+ C_IDX16, C_OBST, C_IBST, C_REF) = range(18)  # fmt: skip
+N_SPEC = 18
 
 FASTMATH = {"nnan", "reassoc", "contract", "nsz", "arcp", "afn"}
 MR = 6  # rows per call of the matrix product (one register tile: MR x 64 float32 sums)
@@ -531,12 +531,18 @@ def _fill_block(role_key, pay, scl, zero, sp, kout, kidx, tab, b, h, j, nsealed,
     nout = sp[C_NOUT]
     if role_key and nout > 0:  # residual and index blocks C_OBST / C_IBST elements apart (vLLM's pages)
         io = blk * sp[C_IBST] + h * nout
+        ref = sp[C_REF]  # 4-bit refinement codes, (u - 7.5) * s / 16 with the channel's scale (per channel: srow)
+        ow = (nout + 1) // 2 if ref else nout
         for i in range(bs):
-            ro = blk * sp[C_OBST] + (h * bs + i) * nout
+            ro = blk * sp[C_OBST] + (h * bs + i) * ow
             o = (row0 + i) * ld
             for jj in range(nout):
                 c = np.int64(kidx[1][io + jj]) if sp[C_IDX16] else np.int64(kidx[0][io + jj])
-                dst[o + c] += _half(kout[1][ro + jj])
+                if ref:
+                    u = (np.int32(kout[0][ro + jj // 2]) >> np.int32(4 * (jj % 2))) & np.int32(15)
+                    dst[o + c] += (np.float32(u) - np.float32(7.5)) * srow[c] * np.float32(1.0 / 16.0)
+                else:
+                    dst[o + c] += _half(kout[1][ro + jj])
     if j == 0:
         for i in range(min(sink, bs)):
             o = U64((row0 + i) * ld)

@@ -548,7 +548,8 @@ def _params(spec: QuantSpec, kv: PagedKV, payload: torch.Tensor, role: Role) -> 
     if p[nbm.P_DOT]:
         p[nbm.P_SPREAD], p[nbm.P_CMIN] = _int_dot_guards(int(p[nbm.P_KIND]), int(p[nbm.P_DOT]), role)
     if role == "key" and kv.k_outlier is not None:
-        p[nbm.P_NOUT] = kv.k_outlier.shape[-1]
+        p[nbm.P_NOUT] = spec.outliers
+        p[nbm.P_REF] = int(spec.refined)
         p[nbm.P_IDX16] = int(kv.k_outlier_idx.element_size() == 2)
         p[nbm.P_OBST] = _block_stride(kv.k_outlier, "k_outlier")
         p[nbm.P_IBST] = _block_stride(kv.k_outlier_idx, "k_outlier_idx")

@@ -93,12 +93,13 @@ FK_F16, FK_BF16, FK_F32 = range(3)
 SC_NONE, SC_F32, SC_F16, SC_BF16, SC_E8M0 = range(5)
 # indices of a spec's parameter vector
 (P_KIND, P_OFF, P_PER, P_SKIND, P_ZKIND, P_HS, P_TS, P_CS, P_ROW, P_FK, P_DOT, P_NOUT, P_IDX16, P_FAR,
- P_MULTI, P_BST, P_SBST, P_ZBST, P_SPREAD, P_CMIN, P_OBST, P_IBST) = range(22)  # fmt: skip
-N_PARAMS = 22
+ P_MULTI, P_BST, P_SBST, P_ZBST, P_SPREAD, P_CMIN, P_OBST, P_IBST, P_REF) = range(23)  # fmt: skip
+N_PARAMS = 23
 # P_BST, P_SBST, P_ZBST: elements between consecutive blocks of the payload, scale and zero-point pools (of the
 # flat array each is read as; for a tail, between sequences). A pool is contiguous within a block; its blocks
 # may lie further apart (pools inside one page per block, as vLLM lays them out): see _row0, _scale0. P_OBST,
-# P_IBST: the same for the outlier residuals and their channel indices (key specs with outlier channels).
+# P_IBST: the same for the outlier residuals and their channel indices (key specs with outlier channels). P_REF: 1
+# when the residuals are packed 4-bit refinement codes (``o<k>r``: uint8 rows of ceil(k / 2) bytes), 0 for fp16.
 # P_SPREAD, P_CMIN: where a block's int16 operands or fp8 codes would lose more than the format, the block takes
 # the float path (see _spread_ok, _codes_reach; 0: no such check).
 # The compiled code reads a spec as this vector, by these indices, not as a named tuple of the same fields: built
@@ -953,18 +954,29 @@ def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _outlier_scores(kout, kidx, idx16, rb, ib, nout, qp, kper, kdp, g_n, u0, u1, sc, qo):
+def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, qo):
     """``sc[g, t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16, a block's
     ``[B, nout]`` rows of one head from flat offset ``rb``) of the ``nout`` outlier channels ``idx_j`` (from flat
     offset ``ib``). ``qp``: the query in the keys' plane order, pre-scaled but not folded (the residual is in key
-    units); ``qo``: scratch of ``G * nout``."""
+    units); ``qo``: scratch of ``G * nout``. With ``ref``, the rows are ``ceil(nout / 2)`` bytes of 4-bit refinement
+    codes ``u`` (channel ``j`` in byte ``j // 2``, low nibble first) and ``r = (u - 7.5) * s[idx_j] / 16``: read
+    through ``qf``, the query with the block's key scales folded in."""
     no = U64(nout)
     gn = U64(g_n)
     for j in range(no):
         c = np.int64(kidx[1][ib + j]) if idx16 else np.int64(kidx[0][ib + j])
         pc = (c % kper) * kdp + c // kper  # natural channel -> the keys' plane order
         for g in range(gn):
-            qo[g * no + j] = qp[g, pc]
+            qo[g * no + j] = qf[g, pc] * np.float32(1.0 / 16.0) if ref else qp[g, pc]
+    if ref:
+        w = (no + U64(1)) // U64(2)
+        for t in range(U64(u0), U64(u1)):
+            for j in range(no):
+                u = (np.int32(kout[0][rb + t * w + j // U64(2)]) >> np.int32(4 * (j % U64(2)))) & np.int32(15)
+                r = np.float32(u) - np.float32(7.5)
+                for g in range(gn):
+                    sc[g, t] += qo[g * no + j] * r
+        return
     for t in range(U64(u0), U64(u1)):
         for j in range(no):
             r = _half(kout[1][rb + t * no + j])
@@ -1338,7 +1350,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
     ``[TILE, D]`` the decoded rows; mxb ``[G]`` the block's max logit per head; kmx ``[G4]`` the key loop's
     maxima (unused here: its rows may start before ``t0``); the rest is scratch.
     kout, kidx: flat (uint8, uint16, float32) views of the outlier residuals ``[num_blocks, H, B, nout]``
-    (fp16) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``), blocks
+    (fp16; ``kp[P_REF]``: ``[num_blocks, H, B, ceil(nout / 2)]`` uint8 refinement codes) and their channels ``[num_blocks, H, nout]`` (uint8, or int16 when ``kp[P_IDX16]``), blocks
     ``kp[P_OBST]`` and ``kp[P_IBST]`` elements apart; ``nout`` is ``kp[P_NOUT]`` (0: the format keeps none).
     """
     kpay, kscl, kzero, kp = keys
@@ -1454,9 +1466,10 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
                                 zt += qsum[g, grp] * (zk[e] - koff * sk[e])
                             sc[g, tr] += zt
         if nout:  # outlier key channels: + q[idx_j] * residual[t, j] (query not folded)
-            rb = U64(idx * kp[P_OBST] + h * bs * nout)  # blocks P_OBST / P_IBST elements apart (vLLM's pages)
+            ow = (nout + 1) // 2 if kp[P_REF] else nout  # a residual row's elements (refined: bytes)
+            rb = U64(idx * kp[P_OBST] + h * bs * ow)  # blocks P_OBST / P_IBST elements apart (vLLM's pages)
             ib = U64(idx * kp[P_IBST] + h * nout)
-            _outlier_scores(kout, kidx, kp[P_IDX16], rb, ib, nout, qp, kper, kdp, g_n, u0, u1, sc, zp)
+            _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, zp)
         if kint or nout:
             for g in range(g_n):
                 row = sc[g]

@@ -12,7 +12,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.kernels.views import PagedKV
-from kvpack.outliers import apply_residual
+from kvpack.outliers import apply_kept
 from kvpack.quant import QuantizedTensor, dequantize
 
 __all__ = [
@@ -28,7 +28,7 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized keys and values of sequence ``row``: two ``[H, seq_len, D]`` float32 tensors.
 
     Positions of released (out-of-window) blocks come back as zeros. Keys of a format with outlier
-    channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_residual`); keys
+    channels get their residuals added at the kept channels (:func:`kvpack.outliers.apply_kept`); keys
     stored rotated (``kv.key_rotation``) come back unrotated. With a sink (``kv.sink_k``), positions
     ``p < min(S, sealed tokens)`` are the sink rows instead of their block rows (exactly what kernels read).
     """
@@ -66,11 +66,19 @@ def dense_history(kv: PagedKV, row: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _with_residuals(x: torch.Tensor, kv: PagedKV, ids: torch.Tensor) -> torch.Tensor:
     """Dequantized keys ``[nb, H, B, D]`` of blocks ``ids`` with their outlier residuals added."""
     null = (ids == 0).view(-1, 1, 1)
-    k = kv.k_outlier.shape[-1]
+    spec = kv.format.key
+    k = spec.outliers
     # the null block's indices and residuals are never meaningful: read channels 0..k-1 and add zero there
+    # (a refinement code of 8 in each nibble is a zero residual; the null block's scales are zeroed too)
     idx = torch.where(null, torch.arange(k, device=x.device).view(1, 1, k), kv.k_outlier_idx[ids].long())
-    res = torch.where(null.unsqueeze(-1), torch.zeros((), dtype=torch.float16, device=x.device), kv.k_outlier[ids])
-    return apply_residual(x, res, idx)
+    zero = torch.tensor(0x88 if spec.refined else 0, dtype=kv.k_outlier.dtype, device=x.device)
+    res = torch.where(null.unsqueeze(-1), zero, kv.k_outlier[ids])
+    scale = None
+    if spec.refined:
+        scale = torch.where(
+            null.unsqueeze(-1), torch.zeros((), dtype=kv.k_scale.dtype, device=x.device), kv.k_scale[ids]
+        )
+    return apply_kept(x, res, idx, spec, scale)
 
 
 def check_query(q: torch.Tensor, kv: PagedKV) -> None:

@@ -21,6 +21,7 @@ import triton.language as tl
 from kvpack.kernels.triton_kernels import (
     INTERPRETED,
     _chan_load,
+    _kept_residuals,
     _key_scores,
     _key_zeros,
     _softmax_step,
@@ -98,7 +99,7 @@ def paged_chunk_kernel(
     vd_ptr, svd_n, svd_h, svd_t,
     vs_ptr, svs_n, svs_h, svs_t, svs_c,
     vz_ptr, svz_n, svz_h, svz_t, svz_c,
-    ko_ptr, sko_n, sko_h, sko_t,  # k_outlier [num_blocks, H, B, N_OUT] fp16 residuals (unused when N_OUT == 0)
+    ko_ptr, sko_n, sko_h, sko_t,  # k_outlier [num_blocks, H, B, N_OUT] fp16 residuals (REFINED: packed 4-bit codes)
     ki_ptr, ski_n, ski_h,  # k_outlier_idx [num_blocks, H, N_OUT] channel indices
     bt_ptr, sbt_b,  # block_tables [batch, max_blocks] int32
     seq_ptr, start_ptr,  # seq_lens [batch] int32, start_pos [batch] int32
@@ -116,7 +117,8 @@ def paged_chunk_kernel(
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
-    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, O_DT: tl.constexpr, K_DP: tl.constexpr, V_DP: tl.constexpr,
+    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, REFINED: tl.constexpr, O_DT: tl.constexpr, K_DP: tl.constexpr,
+    V_DP: tl.constexpr,
     DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
     K_GF16: tl.constexpr, V_GF16: tl.constexpr,
 ):  # fmt: skip
@@ -219,8 +221,8 @@ def paged_chunk_kernel(
             o_mask = offs_o < N_OUT
             idx = tl.load(ki_ptr + blk * ski_n + pid_h * ski_h + offs_o, mask=o_mask, other=0).to(tl.int32)
             qo = tl.load(q_rows[:, None] + idx[None, :], mask=r_mask[:, None] & o_mask[None, :], other=0.0)
-            r = tl.load(ko_ptr + blk * sko_n + pid_h * sko_h + offs_t[:, None] * sko_t + offs_o[None, :],
-                        mask=o_mask[None, :], other=0.0)
+            r = _kept_residuals(ko_ptr + blk * sko_n + pid_h * sko_h, offs_t, sko_t, offs_o, o_mask, idx, sb, sks_c,
+                                REFINED, K_E8M0)
             s += tl.dot((qo.to(tl.float32) * qk_scale).to(O_DT), tl.trans(r.to(O_DT)))
         if (i < mid_lo) | (i >= mid_hi):  # a block some row attends only in part
             s = tl.where(_in_range(i * BLOCK_SIZE + offs_t, lo_sealed, pos), s, float("-inf"))

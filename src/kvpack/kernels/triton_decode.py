@@ -323,7 +323,7 @@ def cache_constexprs(kv: PagedKV, q: torch.Tensor, codes: str | None = None) -> 
     cvt = choose_codes(kv, q, codes)
     k_cd, v_cd = code_dot_dtype(kv.format.key, dot, cvt), code_dot_dtype(kv.format.value, dot, cvt)
     h, b, d = kv.kv_heads, kv.block_size, kv.head_dim
-    n_out = 0 if kv.k_outlier is None else kv.k_outlier.shape[-1]
+    n_out = 0 if kv.k_outlier is None else kv.format.key.outliers
     return {
         "HAS_START": kv.start_pos is not None,
         "HAS_SINK": kv.sink > 0,
@@ -332,6 +332,7 @@ def cache_constexprs(kv: PagedKV, q: torch.Tensor, codes: str | None = None) -> 
         **{f"V_{n}": v for n, v in spec_constants(kv.format.value, h, b, d).items()},
         "N_OUT": n_out,
         "BLOCK_O": max(2, _next_pow2(n_out)),
+        "REFINED": kv.format.key.refined,  # packed 4-bit refinement codes in place of fp16 residuals
         # columns of a part's tiles: a power of two (tl.arange), at least 16 (a dot operand); past d // PER they pad
         "K_DP": part_columns(kv.format.key, d),
         "V_DP": part_columns(kv.format.value, d),

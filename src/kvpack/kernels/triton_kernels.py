@@ -49,6 +49,23 @@ def _decode_scale(stored, E8M0: tl.constexpr):
 
 
 @triton.jit
+def _kept_residuals(r_base, offs_t, s_rt, offs_o, o_mask, idx, s_base, s_sc, REFINED: tl.constexpr,
+                    E8M0: tl.constexpr):  # fmt: skip
+    """The residuals ``[BLOCK_SIZE, BLOCK_O]`` float32 of a block's kept key channels ``idx`` (0 past ``o_mask``):
+    fp16 rows ``r_base + t * s_rt + j``, or, ``REFINED``, 4-bit codes ``u`` (channel ``j`` in byte ``j // 2``, low
+    nibble first) standing for ``(u - 7.5) * s[idx_j] / 16`` with the block's per-channel key scales ``s``
+    (``s_base + c * s_sc``)."""
+    if REFINED:
+        byte = tl.load(r_base + offs_t[:, None] * s_rt + (offs_o // 2)[None, :], mask=o_mask[None, :], other=0)
+        u = (byte.to(tl.int32) >> ((offs_o % 2) * 4)[None, :]) & 15
+        step = _decode_scale(tl.load(s_base + idx * s_sc, mask=o_mask, other=0), E8M0)
+        return (u.to(tl.float32) - 7.5) * (step * 0.0625)[None, :]
+    else:
+        r = tl.load(r_base + offs_t[:, None] * s_rt + offs_o[None, :], mask=o_mask[None, :], other=0.0)
+        return r.to(tl.float32)
+
+
+@triton.jit
 def _chan_load(ptrs, offs_c, NC: tl.constexpr, DP: tl.constexpr, PER: tl.constexpr):
     """Load ``ptrs`` (``[DP]`` or ``[R, DP]``, the last axis over one part's columns, channels ``offs_c``):
     all of it when the part has no padding columns (``NC == DP``), else only real channels (padding reads 0)."""
@@ -470,7 +487,7 @@ def paged_decode_kernel(
     vd_ptr, svd_n, svd_h, svd_t,
     vs_ptr, svs_n, svs_h, svs_t, svs_c,
     vz_ptr, svz_n, svz_h, svz_t, svz_c,
-    ko_ptr, sko_n, sko_h, sko_t,  # k_outlier [num_blocks, H, B, N_OUT] fp16 residuals (unused when N_OUT == 0)
+    ko_ptr, sko_n, sko_h, sko_t,  # k_outlier [num_blocks, H, B, N_OUT] fp16 residuals (REFINED: packed 4-bit codes)
     ki_ptr, ski_n, ski_h,  # k_outlier_idx [num_blocks, H, N_OUT] channel indices
     bt_ptr, sbt_b,  # block_tables [batch, max_blocks] int32
     seq_ptr, start_ptr,  # seq_lens [batch] int32, start_pos [batch] int32
@@ -490,7 +507,7 @@ def paged_decode_kernel(
     K_CGROUP: tl.constexpr, K_E8M0: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_PER: tl.constexpr, V_SCALE: tl.constexpr,
     V_CGROUP: tl.constexpr, V_E8M0: tl.constexpr,
-    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, K_DP: tl.constexpr, V_DP: tl.constexpr,
+    N_OUT: tl.constexpr, BLOCK_O: tl.constexpr, REFINED: tl.constexpr, K_DP: tl.constexpr, V_DP: tl.constexpr,
     DOT: tl.constexpr, CVT: tl.constexpr, K_CD: tl.constexpr, V_CD: tl.constexpr,
     K_GF16: tl.constexpr, V_GF16: tl.constexpr,
 ):  # fmt: skip
@@ -590,9 +607,9 @@ def paged_decode_kernel(
             o_mask = offs_o < N_OUT
             idx = tl.load(ki_ptr + blk * ski_n + pid_h * ski_h + offs_o, mask=o_mask, other=0).to(tl.int32)
             qo = tl.load(q_rows + idx[None, :], mask=g_mask[:, None] & o_mask[None, :], other=0.0)
-            r = tl.load(ko_ptr + blk * sko_n + pid_h * sko_h + offs_t[:, None] * sko_t + offs_o[None, :],
-                        mask=o_mask[None, :], other=0.0)
-            s += tl.sum((qo.to(tl.float32) * qk_scale)[:, None, :] * r.to(tl.float32)[None, :, :], axis=2)
+            r = _kept_residuals(ko_ptr + blk * sko_n + pid_h * sko_h, offs_t, sko_t, offs_o, o_mask, idx, sb, sks_c,
+                                REFINED, K_E8M0)
+            s += tl.sum((qo.to(tl.float32) * qk_scale)[:, None, :] * r[None, :, :], axis=2)
         s = tl.where((i * BLOCK_SIZE + offs_t >= lo_sealed)[None, :], s, float("-inf"))
         m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         pd = p.to(V_CD)

@@ -26,6 +26,7 @@ import torch
 
 from kvpack.errors import ShapeError, UnsupportedError
 from kvpack.formats import KVFormat, QuantSpec
+from kvpack.outliers import residual_dtype
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype
 
 __all__ = ["ROLES", "PagedKV", "Role", "refuse_rotated"]
@@ -65,6 +66,9 @@ class PagedKV:
             ``[max(start_pos, p - window + 1), p]``. ``None`` means 0 for every sequence.
         k_outlier: ``[num_blocks, H, B, k]``, dtype ``torch.float16``: for a key spec with ``outliers=k``, the
             residual ``x - dequantize(payload)`` at the block's kept channels; ``None`` when the format has none.
+            A ``refined`` spec stores ``[num_blocks, H, B, ceil(k / 2)]`` ``torch.uint8`` refinement codes
+            instead (channel ``j`` in byte ``j // 2``, low nibble first): ``r = (u - 7.5) * s[idx_j] / 16`` with
+            ``s`` the block's key scale of that channel (:func:`kvpack.outliers.unrefine`).
         k_outlier_idx: ``[num_blocks, H, k]``, dtype ``torch.uint8`` (``torch.int16`` when ``D > 256``): the
             kept channels of each block and head, ascending. Keys are ``dequantize(payload)`` with
             ``k[..., idx] += k_outlier.float()``, so a score is ``q . deq(k_t) + sum_j q[idx_j] * r[t, j]``.
@@ -232,8 +236,11 @@ class PagedKV:
             return ["the key spec keeps no outlier channels: k_outlier and k_outlier_idx must be None"]
         reasons = []
         nb, h, b = self.k_data.shape[0], self.kv_heads, self.block_size
-        if tuple(r.shape) != (nb, h, b, n) or r.dtype != torch.float16:
-            reasons.append(f"k_outlier must be [{nb}, {h}, {b}, {n}] float16, got {tuple(r.shape)} {r.dtype}")
+        spec = self.format.key
+        w, dt = spec.residual_width, residual_dtype(spec)
+        if tuple(r.shape) != (nb, h, b, w) or r.dtype != dt:
+            what = "uint8 refinement codes" if spec.refined else "float16"
+            reasons.append(f"k_outlier must be [{nb}, {h}, {b}, {w}] {what}, got {tuple(r.shape)} {r.dtype}")
         if tuple(i.shape) != (nb, h, n) or i.dtype not in (torch.uint8, torch.int16):
             reasons.append(
                 f"k_outlier_idx must be [{nb}, {h}, {n}] uint8 (int16 past head_dim 256), got {tuple(i.shape)} {i.dtype}"

@@ -5,7 +5,7 @@ backend a ``[num_blocks, 1, block_size, C]`` int8 view of them (``page_bytes = b
 one kvpack block of one layer, regions in this order, each 16-byte aligned:
 
 ``k_data [H, B, Pk]``, ``k_scale [Hs, Ts, Cs]``, ``k_zero``, for a key spec with outlier channels ``k_outlier [H, B, k]``
-(fp16 residuals) and ``k_outlier_idx [H, k]`` (their channels), ``v_data [H, B, Pv]``, ``v_scale``, ``v_zero``, and
+(fp16 residuals; refined: ``[H, B, ceil(k / 2)]`` uint8 codes) and ``k_outlier_idx [H, k]`` (their channels), ``v_data [H, B, Pv]``, ``v_scale``, ``v_zero``, and
 with a sink (``format.sink = S``) ``sink_k [H, S, D]``, ``sink_v [H, S, D]`` in the tail dtype (the format's
 ``tail=``, else the model's activations), exactly as :class:`~kvpack.cache.PagedKVCache` keeps them.
 
@@ -27,7 +27,7 @@ import torch
 
 from kvpack.errors import ShapeError
 from kvpack.formats import KVFormat
-from kvpack.outliers import index_dtype
+from kvpack.outliers import index_dtype, residual_dtype
 from kvpack.quant import payload_torch_dtype, scale_torch_dtype, tail_torch_dtype
 from kvpack.sizing import VLLM_ALIGN, vllm_page
 
@@ -87,7 +87,7 @@ class PageLayout:
                 shapes[f"{prefix}_scale"] = (scale_torch_dtype(spec.scale_dtype), tuple(shape))
                 shapes[f"{prefix}_zero"] = (scale_torch_dtype(spec.zero_dtype), tuple(shape))
             if spec.has_outliers:
-                shapes[f"{prefix}_outlier"] = (torch.float16, (h, b, spec.outliers))
+                shapes[f"{prefix}_outlier"] = (residual_dtype(spec), (h, b, spec.residual_width))
                 shapes[f"{prefix}_outlier_idx"] = (index_dtype(d), (h, spec.outliers))
         tail_dtype = tail_torch_dtype(fmt, dtype)
         shapes["sink_k"] = shapes["sink_v"] = (tail_dtype, (h, fmt.sink, d))
