@@ -143,3 +143,29 @@ def test_hf_cache_equals_the_simulated_reconstruction(tiny, monkeypatch):
     monkeypatch.setattr(hfa, "_chunk_backend", lambda *a: None)
     got = logits(kvpack.hf.cache_for(model, fmt, max_tokens=256))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "spec", ["k=int4:channel:asym:o6r,v=int4", "k=int4:channel:o5r,v=int4", "k=int2:channel:asym:o7r,v=int4"]
+)
+def test_the_short_seal_writes_the_general_seals_bytes(spec):
+    """A refined spec's seal skips :func:`quantize_kept` (each kept channel is its own scale group and keeps its own
+    code): the same payload, scales, codes and indices as the general seal."""
+    from kvpack.cache.write import seal_outliers
+    from kvpack.outliers import outlier_residual, quantize_kept, seal_time_channels
+
+    key = parse_format(spec).key
+    x = realistic_keys(4, H, B, D, generator=torch.Generator().manual_seed(4))
+    qt, clipped, (res, idx) = seal_outliers(x, key)
+    channels = seal_time_channels(x, key.outliers)
+    want = quantize_kept(x, key, channels)
+    want_res, want_idx = outlier_residual(x, want, channels)
+    assert clipped == 0
+    for got, ref in (
+        (qt.data, want.data),
+        (qt.scale, want.scale),
+        (qt.zero, want.zero),
+        (res, want_res),
+        (idx, want_idx),
+    ):
+        assert (got is None and ref is None) or torch.equal(got, ref)

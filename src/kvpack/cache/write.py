@@ -207,6 +207,11 @@ def seal_outliers(
     elif channels is None:
         channels = seal_time_channels(blocks, spec.outliers)
     check_channels(channels, blocks)
+    if spec.refined:
+        # block-local per-channel scales: a kept channel is its own scale group, quantized under its own scale as
+        # without outliers, and keeps its own code (quantize_kept gives exactly these bytes, at ten times the cost)
+        qt = quantize(blocks, spec)
+        return qt, 0, outlier_residual(blocks, qt, channels)
     if spec.static:
         laid, _ = seal_with_static(blocks, spec, scales)  # checks the scales and lays them out per block
         qt = quantize_kept(blocks, spec, channels, laid.scale, laid.zero)
