@@ -153,6 +153,37 @@ def test_a_format_naming_no_block_is_served_with_the_smaller_block_where_the_tai
     assert plan.cache_config.block_size == 64 and plan.additional_config["kvpack"]["format"] == "int4/int8[0]"
 
 
+def test_an_artifact_of_query_statistics_leaves_the_block_open(caplog, tmp_path):
+    """A query-ranked format takes only the artifact's query statistics, which hold for any block: it is served with
+    the smaller block where the tails crowd the space, as int4 is; static scales keep the block as named."""
+    from kvpack.calibration import Artifact, KVObserver
+    from kvpack.calibration.fingerprint import fingerprint_from_config
+
+    obs = KVObserver(())
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        obs.observe(layer, torch.randn(1, KV_HEADS, 64, HEAD_DIM, generator=g), torch.randn(1, KV_HEADS, 64, HEAD_DIM))
+        obs.observe_queries(layer, torch.randn(1, 3 * KV_HEADS, 64, HEAD_DIM, generator=g), KV_HEADS)
+    plain = _engine_config()
+    data = {"name": "test", "samples": 1, "seq_len": 64, "seed": 0, "tokens_sha256": "0" * 64}
+    fp = fingerprint_from_config(plain.model_config.hf_config)
+    Artifact.build(*obs.stats(), "int8@static", fp, data, query_energy=obs.query_energy()).save(tmp_path)
+    mib = 2**20
+    ranked = "k=int4:channel:asym:o6qr,v=int4:g32:asym,sink=1"
+    cfg = _engine_config(
+        max_num_seqs=32, kv_cache_memory_bytes=192 * mib,
+        additional_config={"kvpack": {"format": ranked, "calibration": str(tmp_path)}},
+    )  # fmt: skip
+    assert cfg.cache_config.block_size == 32
+    assert cfg.additional_config["kvpack"]["calibration"] == str(tmp_path)
+    assert kcfg.settings_from(cfg).format == parse_format(f"{ranked},block=32")
+    static = _engine_config(
+        max_num_seqs=32, kv_cache_memory_bytes=192 * mib,
+        additional_config={"kvpack": {"format": "int8@static", "calibration": str(tmp_path)}},
+    )  # fmt: skip
+    assert static.cache_config.block_size == 64
+
+
 def test_bench_providers_run_with_their_formats_block_size():
     """``kvpack bench vllm --formats int8,block=32`` gives vLLM 32-token blocks (a format's block is vLLM's)."""
     from kvpack.bench.vllm import provider_job

@@ -350,7 +350,8 @@ def serve_block(vllm_config: Any, settings: Settings) -> Settings:
     much of it a smaller block (:func:`kvpack.sizing.vllm_smaller_block`: 32 or 16 tokens, taken when it holds at
     least 5% more tokens) serves more, its per-channel key scales covering fewer tokens. It is taken where the user
     left the block open: a format string with no ``block=``, no ``block_size`` given to vLLM, no
-    per-layer plan and no calibration artifact (whose scales were checked against the format as named), and a space
+    per-layer plan and no static scales from a calibration artifact (checked against the format as named; query
+    statistics and outlier channels hold for any block), and a space
     given (``kv_cache_memory_bytes``; vLLM's own measure of free memory comes after the block size is set). The
     served format is written back into ``additional_config``, so every vLLM process that parses it serves the same
     one, and logged as a warning with both capacities."""
@@ -360,7 +361,7 @@ def serve_block(vllm_config: Any, settings: Settings) -> Settings:
     cache = vllm_config.cache_config
     if (
         settings.plan.overrides
-        or settings.calibration is not None
+        or (settings.calibration is not None and fmt.is_static)
         or names_block(text)
         or getattr(cache, "user_specified_block_size", False)
     ):
