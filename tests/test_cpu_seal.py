@@ -221,3 +221,40 @@ def test_step_writes_seal_and_write_rows_in_one_call_or_refuse_with_nothing_writ
                 writes(cpu_seal.row_arrays(*step_new), *step_seal, *step_rows)
         after = (*tails, *[r for part in rows for r in part])
         assert all(torch.equal(a, b) for a, b in zip(before, after)), what
+
+
+REFINED = ["int4:channel:asym:fp16:o5r", "int4:channel:sym:fp16:o4r", "int2:channel:asym:fp16:o3r",
+           "int8:channel:asym:fp16:o6r", "int8:channel:sym:fp16:o4qr", "int4:channel:asym:fp16:o6qr"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", REFINED)
+@pytest.mark.parametrize("shape", [(3, 2, 64, 64), (2, 1, 16, 320)])  # head_dim 320: int16 channel indices
+def test_refined_channels_take_the_compiled_seal_and_write_the_torch_seals_bytes(spec, shape):
+    """A refined key spec (``o<k>r``, ``o<k>qr``) seals as without its kept channels, then
+    :func:`cpu_seal.refine_blocks` writes the refinement codes and channel indices: every byte equals the torch
+    seal's (:func:`kvpack.cache.write.seal_outliers`), ties in the channel ranking included (two equal channels,
+    channels no query reads)."""
+    from kvpack.cache.write import seal_outliers
+
+    q = parse_format(f"k={spec},v=int8").key
+    assert cpu_seal.supports(q)
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g) * 3
+    x[..., 5] += 40.0
+    x[..., 9] = x[..., 8]  # a tie: the lower channel is kept first
+    x[0, 0, :, 7] = 2.5  # a constant channel
+    energy = torch.rand(shape[1], shape[-1], generator=g) * 2
+    energy[:, :3] = 0.0  # channels no query reads: ties broken by the spread
+    k, nb = shape[0], shape[0] + 3
+    ids = np.random.default_rng(1).permutation(nb)[:k].astype(np.int64)
+    qt, _, (res, idx) = seal_outliers(x, q, None, None, energy if q.query_ranked else None)
+    want = [t.contiguous().view(torch.uint8).reshape(k, -1) for t in (qt.data, qt.scale, res, idx)]
+    rows = [_rows(nb, w.shape[1]) for w in want]
+    zero = _rows(nb, want[1].shape[1])
+    data, scale, res_rows, idx_rows = (r[0] for r in rows)
+    assert cpu_seal.seal_blocks(x, q, ids, data, scale, zero[0] if q.has_zero else None)
+    cpu_seal.refine_blocks(x, q, ids, (data, scale, zero[0] if q.has_zero else None), (res_rows, idx_rows),
+                           energy if q.query_ranked else None)  # fmt: skip
+    for (r, buf), w, name in zip(rows, want, ("payload", "scales", "refinement codes", "indices")):
+        assert torch.equal(r[torch.from_numpy(ids)], w), f"{spec}: {name} differ"
+        assert (buf[:, -8:] == POISON).all(), "a write strayed past its row"

@@ -69,7 +69,7 @@ def index_dtype(head_dim: int) -> torch.dtype:
 
 
 def seal_time_channels(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest channels per head of each block (abs-max over the block's tokens).
+    """The ``k`` largest channels per head of each block (abs-max over the block's tokens; ties to the lower).
 
     Args:
         x: ``[..., kv_heads, block_size, head_dim]`` float, finite.
@@ -80,7 +80,9 @@ def seal_time_channels(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     if not 0 <= k <= x.shape[-1]:
         raise ShapeError(f"k must be in [0, head_dim={x.shape[-1]}], got {k}")
-    return x.float().abs().amax(-2).topk(k, dim=-1).indices.sort(dim=-1).values
+    # ties to the lower channel (a stable order, as the compiled seal breaks them: the same bytes either way)
+    order = torch.argsort(x.float().abs().amax(-2), dim=-1, descending=True, stable=True)
+    return order[..., :k].sort(dim=-1).values
 
 
 def query_ranked_channels(x: torch.Tensor, k: int, energy: torch.Tensor, symmetric: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpack.errors import ShapeError
+from kvpack.errors import CalibrationError, ShapeError
 from kvpack.formats import QuantSpec, ScaleDType
 
 __all__ = [
@@ -31,14 +31,63 @@ __all__ = [
 
 
 def supports(spec: QuantSpec) -> bool:
-    """Whether :func:`seal_blocks` seals ``spec`` (else use :func:`kvpack.quant.quantize`)."""
+    """Whether :func:`seal_blocks` seals ``spec`` (else use :func:`kvpack.quant.quantize`). A spec whose kept
+    channels are refined (``o<k>r``) is sealed as without them (each kept channel is its own scale group and keeps
+    its own code): :func:`refine_blocks` then writes its codes and indices."""
     return (
         spec.dtype.is_int
         and spec.granularity is not None
         and spec.scale_dtype is ScaleDType.FP16
-        and not (spec.static or spec.rotate or spec.has_outliers)
+        and not (spec.static or spec.rotate or (spec.has_outliers and not spec.refined))
         and _numba() is not None
     )
+
+
+def refine_blocks(
+    x: torch.Tensor | np.ndarray,
+    spec: QuantSpec,
+    ids: np.ndarray,
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    out: tuple[torch.Tensor, torch.Tensor],
+    energy: torch.Tensor | None = None,
+    channels: torch.Tensor | None = None,
+) -> None:
+    """Write the refinement codes and channel indices of a refined key spec's blocks (``o<k>r``, ``o<k>qr``) once
+    :func:`seal_blocks` (or a step's compiled seal) has written their payload and scales: the bytes
+    :func:`kvpack.cache.write.seal_outliers` gives.
+
+    Args:
+        x: ``[K, H, T, D]`` float32 (a tensor, or the compiled step's scratch), the blocks as sealed.
+        spec: a refined spec :func:`supports` accepts.
+        ids: ``[K]`` int64 rows. rows: ``(data, scale, zero)`` as :func:`seal_blocks` wrote them.
+        out: ``(residual, idx)`` ``[NB, n]`` uint8 rows: ``[H, T, ceil(k / 2)]`` codes and ``[H, k]`` indices.
+        energy: ``[H, D]`` float32, the layer's query statistics (a query-ranked spec needs them).
+        channels: ``[H, k]`` channels to keep in every block (a calibration artifact's, for a spec ranked by range).
+
+    Raises:
+        CalibrationError: a query-ranked spec without ``energy``.
+    """
+    d = x.shape[3]
+    if spec.query_ranked:
+        if energy is None:
+            raise CalibrationError(
+                f"{spec} ranks its outlier channels by the queries, and no query statistics were given"
+            )
+        ranked, fixed = (1 if spec.has_zero else 2), _NO_CHANNELS
+        en = energy.detach().to(torch.float32).contiguous().numpy()
+    else:
+        ranked, en = 0, _NO_ENERGY
+        fixed = _NO_CHANNELS if channels is None else channels.to(torch.int64).contiguous().numpy()
+    xf = x if isinstance(x, np.ndarray) else x.detach().to(torch.float32).contiguous().numpy()
+    data, scale, zero = rows
+    zn = scale.numpy() if zero is None else zero.numpy()
+    _numba().refine_into(xf, spec.outliers, ranked, en, fixed, spec.bits, spec.has_zero, _f16_table(),
+                         np.ascontiguousarray(ids, dtype=np.int64), data.numpy(), scale.numpy(), zn, out[0].numpy(),
+                         out[1].numpy(), d > 256)  # fmt: skip
+
+
+_NO_ENERGY = np.zeros((1, 1), np.float32)
+_NO_CHANNELS = np.zeros((0, 1), np.int64)
 
 
 def available() -> bool:

@@ -413,3 +413,117 @@ def write_step(tail_k, tail_v, new_k, new_v, kind, f16, slots, froms, toks, ids,
         if err:
             return err
     return 3 * write_rows(tail_k, tail_v, new_k, new_v, wtok, wslot, woff)
+
+
+# -- kept key channels refined to 8 bits (o<k>r, o<k>qr): after the payload and scales are written
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _choose_channels(xb, ranked, energy, a, k, key1, key2, taken, chosen):
+    """Head ``a``'s ``k`` kept channels of one block ``xb`` ``[H, T, D]``, ascending, into ``chosen``: by abs-max
+    (``ranked`` 0), or by ``energy[a, c] * spread_c^2`` (1: the range, 2: twice the abs-max for a symmetric spec),
+    ties to the wider channel, then to the lower one (as :func:`kvpack.outliers.seal_time_channels` and
+    :func:`~kvpack.outliers.query_ranked_channels` order them)."""
+    _, t, d = xb.shape
+    for c in range(d):
+        lo, hi, mx = np.float32(np.inf), np.float32(-np.inf), np.float32(0.0)
+        for b in range(t):
+            v = xb[a, b, c]
+            lo = min(lo, v)
+            hi = max(hi, v)
+            mx = max(mx, abs(v))
+        if ranked == 0:
+            key1[c] = mx
+            key2[c] = mx
+        else:
+            spread = np.float32(hi - lo) if ranked == 1 else np.float32(np.float32(2.0) * mx)
+            key1[c] = np.float32(energy[a, c] * np.float32(spread * spread))
+            key2[c] = spread
+        taken[c] = False
+    for j in range(k):
+        best = -1
+        for c in range(d):
+            if taken[c]:
+                continue
+            if best < 0 or key1[c] > key1[best] or (key1[c] == key1[best] and key2[c] > key2[best]):
+                best = c
+        taken[best] = True
+        chosen[j] = best
+    for j in range(1, k):  # ascending (insertion sort: k is small)
+        v = chosen[j]
+        i = j - 1
+        while i >= 0 and chosen[i] > v:
+            chosen[i + 1] = chosen[i]
+            i -= 1
+        chosen[i + 1] = v
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def refine_into(x, k, ranked, energy, fixed, bits, asym, f16, ids, data_out, scale_out, zero_out, res_out, idx_out,
+                idx16):  # fmt: skip
+    """The kept key channels of ``K`` sealed blocks as 4-bit refinement codes, once :func:`_seal_into` has written
+    their payload, per-channel scales and zero-points: per block and head, the ``k`` channels (``fixed`` ``[H, k]``
+    when it has rows, else :func:`_choose_channels`) into ``idx_out`` (``[H, k]`` uint8, or int16 little-endian
+    when ``idx16``), and each kept element's code ``u = clamp(floor((x - deq) / s * 16 + 8), 0, 15)`` into
+    ``res_out`` (``[H, T, ceil(k / 2)]``, channel ``j`` in byte ``j // 2``, the low nibble for even ``j``), with
+    ``deq`` the stored code times the stored scale ``s`` (plus the zero-point), in float32 as
+    :func:`kvpack.outliers.refine` computes it, so the bytes are the torch seal's.
+
+    Args:
+        x: ``[K, H, T, D]`` float32, the blocks as sealed. energy: ``[H, D]`` float32 (``ranked`` 1 or 2).
+        bits, asym: the key spec's. f16: float16 bit pattern -> value. ids: ``[K]`` int64 rows.
+        data_out, scale_out, zero_out: the rows :func:`_seal_into` wrote; res_out, idx_out: ``[NB, n]`` uint8 rows.
+    """
+    nk, h, t, d = x.shape
+    per = 8 // bits
+    packed = (d + per - 1) // per
+    w = (k + 1) // 2
+    off = 0 if (asym or bits == 8) else 1 << (bits - 1)
+    mask = (1 << bits) - 1
+    key1 = np.empty(d, np.float32)
+    key2 = np.empty(d, np.float32)
+    taken = np.zeros(d, np.bool_)
+    chosen = np.empty(k, np.int64)
+    sixteen, eight = np.float32(16.0), np.float32(8.0)
+    for i in range(nk):
+        row = ids[i]
+        for a in range(h):
+            if fixed.shape[0]:
+                for j in range(k):
+                    chosen[j] = fixed[a, j]
+            else:
+                _choose_channels(x[i], ranked, energy, a, k, key1, key2, taken, chosen)
+            for j in range(k):
+                c = chosen[j]
+                if idx16:
+                    idx_out[row, 2 * (a * k + j)] = np.uint8(c & 0xFF)
+                    idx_out[row, 2 * (a * k + j) + 1] = np.uint8(c >> 8)
+                else:
+                    idx_out[row, a * k + j] = np.uint8(c)
+            rbase = a * t * w
+            for b in range(t):
+                for e in range(w):
+                    res_out[row, rbase + b * w + e] = 0
+            for j in range(k):
+                c = chosen[j]
+                g = a * d + c  # per-channel scales: [H, 1, D]
+                s = _f16_value(np.uint16(scale_out[row, 2 * g]) | (np.uint16(scale_out[row, 2 * g + 1]) << 8), f16)
+                z = np.float32(0.0)
+                if asym:
+                    z = _f16_value(np.uint16(zero_out[row, 2 * g]) | (np.uint16(zero_out[row, 2 * g + 1]) << 8), f16)
+                for b in range(t):
+                    byte = np.int32(data_out[row, (a * t + b) * packed + c // per])
+                    if bits == 8:  # asymmetric codes [0, 255]; symmetric ones two's complement
+                        q = np.float32(byte) if asym else np.float32(np.int8(np.uint8(byte)))
+                    else:
+                        q = np.float32(((byte >> ((c % per) * bits)) & mask) - off)
+                    deq = np.float32(q * s)
+                    if asym:
+                        deq = np.float32(deq + z)
+                    r = np.float32(x[i, a, b, c] - deq)
+                    u = 8
+                    if s > 0:
+                        f = np.floor(np.float32(np.float32(np.float32(r / s) * sixteen) + eight))
+                        u = np.int32(min(max(f, np.float32(0.0)), np.float32(15.0)))
+                    o = rbase + b * w + j // 2
+                    res_out[row, o] = np.uint8(res_out[row, o] | (u << (4 * (j % 2))))

@@ -355,11 +355,22 @@ class PagedLayer:
         self._writes = (pools, writes)
         return writes
 
+    def _refine(self, pools: dict[str, torch.Tensor], x: torch.Tensor | np.ndarray, ids: np.ndarray) -> None:
+        """The refinement codes and channel indices of key blocks ``x`` ``[K, H, B, D]`` float32 just sealed into rows
+        ``ids`` by the compiled seal (a refined key spec, ``o<k>r``: :func:`cpu_seal.refine_blocks`)."""
+        cal = self.calibration
+        rows = tuple(pools.get(f"k_{p}_bytes") for p in ("data", "scale", "zero"))
+        out = (pools["k_outlier_bytes"], pools["k_outlier_idx_bytes"])
+        energy, channels = (None, None) if cal is None else (cal.energy, cal.channels)
+        cpu_seal.refine_blocks(x, self.format.key, ids, rows, out, energy, channels)
+
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         writes = self._step_writes(pools)
         if writes is not None:
             new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block):
+                if self.format.key.refined:  # the gathered key blocks are still in the step's scratch
+                    self._refine(pools, writes.scratch[0][: len(plan.seal_block)], plan.seal_block)
                 return
             # a key or value is not finite, nothing was written: the path below names the place and raises
         self._seal_reference(pools, plan, k, v)
@@ -387,6 +398,8 @@ class PagedLayer:
             rows = {part: pools.get(f"{prefix}_{part}_bytes") for part in ("data", "scale", "zero")}
             if x.device.type == "cpu" and cpu_seal.supports(spec):  # one compiled call, the same bytes
                 cpu_seal.seal_blocks(x, spec, plan.seal_block, rows["data"], rows["scale"], rows["zero"])
+                if spec.refined:
+                    self._refine(pools, x, plan.seal_block)
                 continue
             parts = {}
             cal = self.calibration
@@ -428,6 +441,8 @@ class PagedLayer:
             new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block, plan.write_tok,
                       plan.write_slot, plan.write_off):  # fmt: skip
+                if self.format.key.refined and plan.seal_block.size:  # the gathered key blocks: the step's scratch
+                    self._refine(pools, writes.scratch[0][: len(plan.seal_block)], plan.seal_block)
                 self._write_sinks(pools, plan, k, v)
                 return
             # a key or value of a sealed block is not finite, nothing was written: the seal below names it and raises
