@@ -796,8 +796,8 @@ def work_items(
 
 def blocks_per_run(kv: PagedKV) -> int:
     """How many blocks the kernel attends with one softmax step over ``kv``'s sealed blocks (1: one at a time;
-    runs need integer dot products on keys and values, key scales constant over a block's tokens, no outlier
-    channels: see :func:`cpu_decode_numba._attend_runs`)."""
+    runs need integer dot products on keys and values and key scales constant over a block's tokens: see
+    :func:`cpu_decode_numba._attend_runs`)."""
     nbm = _nb()
     state = _prepare(kv)
     if nbm._multi_eligible(state.kp, state.vp):

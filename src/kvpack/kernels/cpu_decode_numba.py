@@ -45,9 +45,9 @@ own loops. Outlier key channels add ``q[idx_j] * r[t, j]`` to the scores (:func:
 A block whose operands would lose more than the format (the folded query or the value scales spread over too
 many binary orders: one huge key or value; fp8 codes far below the table's range: tiny data under a clamped
 scale) takes the float path instead (:func:`_keys_fit`, :func:`_values_fit`; bounds from ``cpu_decode._int_dot_guards``).
-Where keys and values both take the integer path (key scales constant over a block, no outlier channels),
-the blocks go in runs (:func:`_attend_runs`) that share one softmax step (:func:`_attend_multi`): the max
-comes from the key loop, and the exponentials and the rescale run once per run instead of once per block.
+Where keys and values both take the integer path (key scales constant over a block), the blocks go in runs
+(:func:`_attend_runs`) that share one softmax step (:func:`_attend_multi`): the max comes from the key loop (and
+from the outlier channels' terms where the format keeps some), and the exponentials and the rescale run once per run instead of once per block.
 
 Packed int4/int2 rows are read in "plane order": element ``per * j + k`` of a row is plane ``k``, byte
 ``j``; the query is permuted into the keys' plane order and the accumulator lives in the values' plane
@@ -954,8 +954,8 @@ def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, qo):
-    """``sc[g, t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16, a block's
+def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, so, qo):
+    """``sc[g, so + t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16, a block's
     ``[B, nout]`` rows of one head from flat offset ``rb``) of the ``nout`` outlier channels ``idx_j`` (from flat
     offset ``ib``). ``qp``: the query in the keys' plane order, pre-scaled but not folded (the residual is in key
     units); ``qo``: scratch of ``G * nout``. With ``ref``, the rows are ``ceil(nout / 2)`` bytes of 4-bit refinement
@@ -975,13 +975,13 @@ def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n
                 u = (np.int32(kout[0][rb + t * w + j // U64(2)]) >> np.int32(4 * (j % U64(2)))) & np.int32(15)
                 r = np.float32(u) - np.float32(7.5)
                 for g in range(gn):
-                    sc[g, t] += qo[g * no + j] * r
+                    sc[g, so + t] += qo[g * no + j] * r
         return
     for t in range(U64(u0), U64(u1)):
         for j in range(no):
             r = _half(kout[1][rb + t * no + j])
             for g in range(gn):
-                sc[g, t] += qo[g * no + j] * r
+                sc[g, so + t] += qo[g * no + j] * r
 
 
 @njit(inline="always", **_NOREF)
@@ -1164,7 +1164,7 @@ def _prefetch_block_scales(scl, zero, p, blk, hs):
 
 @njit(inline="always", fastmath=FASTMATH, **_NOREF)
 def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
-                  qspread, skip):  # fmt: skip
+                  qspread, skip, kout, kidx):  # fmt: skip
     """Blocks ``[j, j + nb)`` of row ``b`` (sealed, every position inside the window but the first ``skip`` rows of
     block ``j``) with one softmax step, on the integer path with key scales constant over a block's tokens (see
     :func:`_multi_eligible`). ``skip``: the positions before the window or the first attended one (a sink row kept
@@ -1241,6 +1241,19 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
                 row = msc[g]
                 for t in range(ubs):
                     row[col + t] += c
+        nout = kp[P_NOUT]
+        if nout:  # outlier key channels (as in _attend), then the block's largest scores again
+            ow = (nout + 1) // 2 if kp[P_REF] else nout
+            rb = U64(idx * kp[P_OBST] + h * bs * ow)
+            ib = U64(idx * kp[P_IBST] + h * nout)
+            _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kp[P_PER], kdp, g_n, 0, bs,
+                            msc, col, zp)  # fmt: skip
+            for g in range(g_n):
+                row = msc[g]
+                top = row[col]
+                for t in range(U64(1), ubs):
+                    top = max(top, row[col + t])
+                mpk[i * g4 + g] = top
         if i == 0 and skip > 0:  # col is 0
             for g in range(g_n):
                 row = msc[g]
@@ -1469,7 +1482,8 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
             ow = (nout + 1) // 2 if kp[P_REF] else nout  # a residual row's elements (refined: bytes)
             rb = U64(idx * kp[P_OBST] + h * bs * ow)  # blocks P_OBST / P_IBST elements apart (vLLM's pages)
             ib = U64(idx * kp[P_IBST] + h * nout)
-            _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, zp)
+            _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc,
+                            U64(0), zp)  # fmt: skip
         if kint or nout:
             for g in range(g_n):
                 row = sc[g]
@@ -1632,8 +1646,9 @@ def _attend_tail(kpay, kp, vpay, vp, b, n, lo, h, bs, qn, m, lsum, acc, zacc, sc
 @njit(inline="always", **_NOREF)
 def _multi_eligible(kp, vp):
     """Whether :func:`_attend_runs` takes a history with these specs: integer dot products for keys and values,
-    key scales constant over a block's tokens, scaled values, no outlier key channels, ``kp[P_MULTI]`` > 1."""
-    return (kp[P_DOT] > 0 and vp[P_DOT] > 0 and kp[P_MULTI] > 1 and kp[P_NOUT] == 0 and kp[P_SKIND] != SC_NONE
+    key scales constant over a block's tokens, scaled values, ``kp[P_MULTI]`` > 1 (outlier key channels added to
+    each block's scores as :func:`_attend` adds them)."""
+    return (kp[P_DOT] > 0 and vp[P_DOT] > 0 and kp[P_MULTI] > 1 and kp[P_SKIND] != SC_NONE
             and kp[P_TS] == 1 and vp[P_SKIND] != SC_NONE)  # fmt: skip
 
 
@@ -1685,7 +1700,7 @@ def _attend_runs(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st
                 nb += 1
         if nb > 0:
             done = _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st,
-                                 mt, qspread, skip)  # fmt: skip
+                                 mt, qspread, skip, kout, kidx)  # fmt: skip
             j += done
             if done == nb:
                 continue
