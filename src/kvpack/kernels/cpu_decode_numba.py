@@ -954,13 +954,15 @@ def _w16_values(p, g_n, u0, u1, ta, tb, sv, vts, ngv, lim, pmax, w16, winv):
 
 
 @njit(fastmath=FASTMATH, **_NOREF)
-def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, so, qo):
+def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc, so, qo, rr):
     """``sc[g, so + t] += sum_j qp[g, idx_j] * r[t, j]`` for ``t`` in ``[u0, u1)``: the residuals ``r`` (fp16, a block's
     ``[B, nout]`` rows of one head from flat offset ``rb``) of the ``nout`` outlier channels ``idx_j`` (from flat
     offset ``ib``). ``qp``: the query in the keys' plane order, pre-scaled but not folded (the residual is in key
     units); ``qo``: scratch of ``G * nout``. With ``ref``, the rows are ``ceil(nout / 2)`` bytes of 4-bit refinement
     codes ``u`` (channel ``j`` in byte ``j // 2``, low nibble first) and ``r = (u - 7.5) * s[idx_j] / 16``: read
-    through ``qf``, the query with the block's key scales folded in."""
+    through ``qf``, the query with the block's key scales folded in. The residuals of a run of tokens are first
+    decoded channel by channel into ``rr`` (flat float32 scratch of at least ``nout`` tokens' worth), so that each
+    head's update of a channel runs along contiguous tokens (vector loops)."""
     no = U64(nout)
     gn = U64(g_n)
     for j in range(no):
@@ -968,20 +970,32 @@ def _outlier_scores(kout, kidx, idx16, ref, rb, ib, nout, qp, qf, kper, kdp, g_n
         pc = (c % kper) * kdp + c // kper  # natural channel -> the keys' plane order
         for g in range(gn):
             qo[g * no + j] = qf[g, pc] * np.float32(1.0 / 16.0) if ref else qp[g, pc]
-    if ref:
-        w = (no + U64(1)) // U64(2)
-        for t in range(U64(u0), U64(u1)):
-            for j in range(no):
-                u = (np.int32(kout[0][rb + t * w + j // U64(2)]) >> np.int32(4 * (j % U64(2)))) & np.int32(15)
-                r = np.float32(u) - np.float32(7.5)
-                for g in range(gn):
-                    sc[g, so + t] += qo[g * no + j] * r
-        return
-    for t in range(U64(u0), U64(u1)):
+    w = (no + U64(1)) // U64(2) if ref else no
+    step = U64(rr.size) // no  # tokens decoded at a time
+    t0 = U64(u0)
+    while t0 < U64(u1):
+        nt = min(step, U64(u1) - t0)
         for j in range(no):
-            r = _half(kout[1][rb + t * no + j])
-            for g in range(gn):
-                sc[g, so + t] += qo[g * no + j] * r
+            rj = j * nt
+            if ref:
+                sh = np.int32(4 * (j % U64(2)))
+                at = rb + t0 * w + j // U64(2)
+                for t in range(nt):
+                    u = (np.int32(kout[0][at + t * w]) >> sh) & np.int32(15)
+                    rr[rj + t] = np.float32(u) - np.float32(7.5)
+            else:
+                at = rb + t0 * w + j
+                for t in range(nt):
+                    rr[rj + t] = _half(kout[1][at + t * w])
+        for g in range(gn):
+            row = sc[g]
+            o = so + t0
+            for j in range(no):
+                qv = qo[g * no + j]
+                rj = j * nt
+                for t in range(nt):
+                    row[o + t] += qv * rr[rj + t]
+        t0 += nt
 
 
 @njit(inline="always", **_NOREF)
@@ -1247,7 +1261,7 @@ def _attend_multi(keys, values, tables, b, j, nb, jp, h, kv_heads, bs, st, mt,
             rb = U64(idx * kp[P_OBST] + h * bs * ow)
             ib = U64(idx * kp[P_IBST] + h * nout)
             _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kp[P_PER], kdp, g_n, 0, bs,
-                            msc, col, zp)  # fmt: skip
+                            msc, col, zp, st.buf.reshape(st.buf.size))  # fmt: skip
             for g in range(g_n):
                 row = msc[g]
                 top = row[col]
@@ -1483,7 +1497,7 @@ def _attend(keys, values, tables, b, j0, j1, jp, n, lo, h, kv_heads, bs, st, kou
             rb = U64(idx * kp[P_OBST] + h * bs * ow)  # blocks P_OBST / P_IBST elements apart (vLLM's pages)
             ib = U64(idx * kp[P_IBST] + h * nout)
             _outlier_scores(kout, kidx, kp[P_IDX16], kp[P_REF], rb, ib, nout, qp, qf, kper, kdp, g_n, u0, u1, sc,
-                            U64(0), zp)  # fmt: skip
+                            U64(0), zp, bflat)  # fmt: skip
         if kint or nout:
             for g in range(g_n):
                 row = sc[g]
