@@ -30,7 +30,7 @@ import itertools
 import sys
 import numpy as np
 import torch
-from kvpack.formats import PRESETS
+from kvpack.formats import PRESETS, parse_format
 from kvpack.kernels import chunk_attention, cpu_decode, cpu_seal, decode_attention, decode_positions
 from kvpack.quant import quantize
 from kvpack.testing import random_paged_kv
@@ -52,11 +52,13 @@ def attempt(what, fn):
         failed.append(f"{what}: {e}")
 
 
-formats = [(name, sink) for name in ["int8", "int4", "fp8", "k4v2", "kivi2", "int4-o4", "k8v4"] for sink in (0, 1)]
+REFINED = "k=int4:channel:asym:o5r,v=int4:g32:asym"  # 4-bit refinement codes of five kept key channels
+names = ["int8", "int4", "fp8", "k4v2", "kivi2", "int4-o4", "k8v4", REFINED]
+formats = [(name, sink) for name in names for sink in (0, 1)]
 for (name, sink), (h, group), lens in itertools.product(
     formats + [("fp16", 0)], [(1, 1), (1, 3), (3, 3), (3, 6), (2, 4)], [[1, 63, 100], [300, 64, 129]]
 ):
-    fmt = PRESETS[name].with_block_size(32).with_sink(sink)
+    fmt = parse_format(name).with_block_size(32).with_sink(sink)
     kv, _, _ = random_paged_kv(fmt, lens, kv_heads=h, head_dim=64, seed=h * group, sink=sink)
     strided, _ = _strided(kv)
     hq, b = h * group, len(lens)
@@ -73,8 +75,8 @@ for (name, sink), (h, group), lens in itertools.product(
     attempt(f"chunk strided {what}", lambda: chunk_attention(torch.randn(b, t, hq, 64), strided, backend="cpu"))
 
 
-for name, d, block in itertools.product(["int8", "int4", "fp8", "kivi2", "int4-o4"], [128, 256], [16, 64]):
-    fmt = PRESETS[name].with_block_size(block).with_sink(1)
+for name, d, block in itertools.product(["int8", "int4", "fp8", "kivi2", "int4-o4", REFINED], [128, 256], [16, 64]):
+    fmt = parse_format(name).with_block_size(block).with_sink(1)
     lens = [1, block - 1, 3 * block + 5]
     kv, _, _ = random_paged_kv(fmt, lens, kv_heads=2, head_dim=d, seed=d + block, sink=1)
     what = f"{name} head_dim={d} block={block}"
@@ -106,6 +108,19 @@ for name in ["int8", "int4", "k4v2", "kivi2"]:
     attempt(f"tail rows {name}", lambda: cpu_seal.write_rows(tails, new, *rows))
     writes = cpu_seal.StepWrites(tails, pages, (fmt.key, fmt.value))
     attempt(f"step writes {name}", lambda: writes(cpu_seal.row_arrays(*new), *step, *rows))
+# kept key channels refined to 8 bits: their codes and indices written after the seal (by range, by the queries)
+for name in ["k=int4:channel:asym:o5r,v=int4", "k=int8:channel:o4qr,v=int4"]:
+    spec = parse_format(name).key
+    rows = page_rows(spec)
+    out = (torch.zeros(8, 3 * 64 * ((spec.outliers + 1) // 2), dtype=torch.uint8),
+           torch.zeros(8, 3 * spec.outliers, dtype=torch.uint8))
+    x, energy = torch.randn(3, 3, 64, 64), torch.rand(3, 64)
+
+    def seal_refined():
+        cpu_seal.seal_blocks(x, spec, np.array([5, 1, 7]), *rows)
+        cpu_seal.refine_blocks(x, spec, np.array([5, 1, 7]), rows, out, energy if spec.query_ranked else None)
+
+    attempt(f"refine {name}", seal_refined)
 print(f"cases {cases}")
 for line in failed:
     print(f"FAILED {line}")
@@ -120,5 +135,5 @@ def test_cpu_kernels_index_inside_their_arrays() -> None:
     failed = [line for line in res.stdout.splitlines() if line.startswith("FAILED")]
     assert not failed, "\n".join(failed[:20])
     cases = int(res.stdout.split("cases ")[1].split()[0])
-    # (format, sink) x (kv heads, group) x lengths x calls; formats x head_dims x blocks x calls; seals
-    assert cases == 15 * 5 * 2 * (2 * 4 + 2) + 5 * 2 * 2 * 3 + 4 * 5
+    # (format, sink) x (kv heads, group) x lengths x calls; formats x head_dims x blocks x calls; seals; refinements
+    assert cases == 17 * 5 * 2 * (2 * 4 + 2) + 6 * 2 * 2 * 3 + 4 * 5 + 2
