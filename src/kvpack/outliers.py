@@ -23,7 +23,8 @@ against the stored payload, it also works with static (calibrated) scales.
 The guarantee: every kept channel of a block reconstructs with a largest error (over the block's tokens) no
 larger than the spec without outliers gives it, for every finite input; a symmetric spec reconstructs kept
 fp16 values exactly. A residual past the fp16 range saturates only where that is still no worse: otherwise
-the scale groups of that channel are sealed as the spec without outliers seals them.
+the scale groups of that channel are sealed as the spec without outliers seals them. A refined spec's kept
+elements reconstruct within 1/32 of their channel's step (the spec without outliers: within 1/2).
 """
 
 from __future__ import annotations
