@@ -36,3 +36,17 @@ def pytest_collection_modifyitems(session, config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The small random model of :mod:`kvpack.evaluation.tiny` (512 positions), run on one thread (logits compared
+    across engines must not depend on how a reduction splits), its attention put back to sdpa afterwards."""
+    from kvpack.evaluation.tiny import tiny_model
+
+    model, tok = tiny_model(seed=0, max_positions=512)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield model, tok
+    torch.set_num_threads(n)
+    model.set_attn_implementation("sdpa")

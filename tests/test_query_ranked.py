@@ -207,18 +207,6 @@ def test_cache_ranks_every_block_by_the_artifacts_queries():
 # -- transformers, the evaluation, vLLM ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvpack.evaluation.tiny import tiny_model
-
-    model, tok = tiny_model(seed=0, max_positions=512)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield model, tok
-    torch.set_num_threads(n)
-    model.set_attn_implementation("sdpa")
-
-
 def _tiny_artifact(model) -> Artifact:
     from kvpack.calibration.fingerprint import fingerprint_from_config
     from kvpack.calibration.run import observe_model

@@ -101,18 +101,6 @@ def test_paged_cache_stores_the_codes_and_reads_them_back():
         assert (got[0] - blocks[i]).abs().max() < (dequantize(quantize(blocks[i], fmt.key)) - blocks[i]).abs().max()
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvpack.evaluation.tiny import tiny_model
-
-    model, tok = tiny_model(seed=0, max_positions=512)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield model, tok
-    torch.set_num_threads(n)
-    model.set_attn_implementation("sdpa")
-
-
 def test_hf_cache_equals_the_simulated_reconstruction(tiny, monkeypatch):
     """Teacher-forced logits through kvpack's cache and fused kernels equal the simulate engine's reconstruction of
     the same refined format; the refinement codes move them (against the spec without kept channels)."""
