@@ -63,6 +63,7 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     if not smoke:
         cases += [("int8", 7, None, d), ("int4", 65, 40, d), ("fp16", 512, None, d), ("fp8-plain", 65, None, d)]
         cases += [("fp8-o4", 7, 100, d), ("fp8", 65, None, d), ("k8v4", 512, 300, d), ("int4-o4", 65, None, d)]
+        cases += [("k=int4:channel:asym:o6r,v=int4:g32:asym,sink=1", 65, None, d)]  # refined kept channels
         # head_dims whose tiles pad to a power of two (Phi-2's 80, Phi-3's 96): masked columns on the GPU
         cases += [("int8", 65, None, 80), ("int4", 65, None, 80), ("fp8", 7, None, 80), ("kivi2", 65, None, 96)]
     for i, (name, t, window, d) in enumerate(cases):
