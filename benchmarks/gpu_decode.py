@@ -276,6 +276,9 @@ def sdpa(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # 1. Checks
 
 
+FULL_FORMATS = ["fp16", "int8", "fp8-plain", "fp8-o4", "fp8", "int4", "k8v4", "kivi2", "int4,sink=1", "fp8-o4,sink=64"]
+
+
 def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     checks = []
     interpreted = device.type != "cuda"
@@ -285,8 +288,7 @@ def run_checks(device: torch.device, smoke: bool) -> list[dict]:
     formats = (
         ["fp16", "int8", "int4", "kivi2", "int4-o4", "k=int8:head:rot,v=int8:token", "int4,sink=1"]
         if smoke
-        else ["fp16", "int8", "fp8-plain", "fp8-o4", "fp8", "int4", "k8v4", "kivi2", "int4,sink=1", "fp8-o4,sink=64",
-              "k=int4:channel:asym:o6r,v=int4:g32:asym,sink=1"]  # the last: refined kept channels (4-bit codes)
+        else [*FULL_FORMATS, "k=int4:channel:asym:o6r,v=int4:g32:asym,sink=1"]  # and refined kept channels
     )
     # and head_dims whose tiles pad to a power of two (Phi-2's 80, Phi-3's 96): masked columns on the GPU
     cases = [(name, d) for name in formats] + [(name, 80) for name in ("int8", "int4", "fp8")] + [("kivi2", 96)]
