@@ -364,13 +364,18 @@ class PagedLayer:
         energy, channels = (None, None) if cal is None else (cal.energy, cal.channels)
         cpu_seal.refine_blocks(x, self.format.key, ids, rows, out, energy, channels)
 
+    def _refine_step(self, pools: dict[str, torch.Tensor], writes: cpu_seal.StepWrites, plan: StepPlan) -> None:
+        """After a compiled step's seal: a refined key spec's codes, from the key blocks it gathered (still in its
+        scratch)."""
+        if self.format.key.refined and plan.seal_block.size:
+            self._refine(pools, writes.scratch[0][: len(plan.seal_block)], plan.seal_block)
+
     def _seal(self, pools: dict[str, torch.Tensor], plan: StepPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         writes = self._step_writes(pools)
         if writes is not None:
             new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block):
-                if self.format.key.refined:  # the gathered key blocks are still in the step's scratch
-                    self._refine(pools, writes.scratch[0][: len(plan.seal_block)], plan.seal_block)
+                self._refine_step(pools, writes, plan)
                 return
             # a key or value is not finite, nothing was written: the path below names the place and raises
         self._seal_reference(pools, plan, k, v)
@@ -441,8 +446,7 @@ class PagedLayer:
             new = cpu_seal.row_arrays(k, v)
             if writes(new, plan.seal_slot, plan.seal_from, plan.seal_tok, plan.seal_block, plan.write_tok,
                       plan.write_slot, plan.write_off):  # fmt: skip
-                if self.format.key.refined and plan.seal_block.size:  # the gathered key blocks: the step's scratch
-                    self._refine(pools, writes.scratch[0][: len(plan.seal_block)], plan.seal_block)
+                self._refine_step(pools, writes, plan)
                 self._write_sinks(pools, plan, k, v)
                 return
             # a key or value of a sealed block is not finite, nothing was written: the seal below names it and raises
