@@ -58,6 +58,7 @@ def test_table_output(tmp_path, capsys):
         (["--formats", "fp16,int4/int9[3]"], "unknown format preset 'int9'"),
         (["--plan", "0.01", "--plan-formats", "int4,int4/int8[0]"], "'int4/int8[0]' is a plan (give it to --formats"),
         (["--lengths", "100k"], "do not fit the model's context"),
+        (["--plan", "0.01", "--plan-windows", "0"], "--plan-windows"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys, argv, message):

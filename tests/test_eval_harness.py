@@ -322,3 +322,30 @@ def test_the_plan_search_end_to_end_proposes_a_plan_that_measures_as_it_said(lm)
     again = run_eval(small_config(formats=["fp16", plan], lengths=[192], fidelity_tokens=384, **_ONLY_KL), lm=lm)
     assert again["fidelity"]["variants"][plan]["kl_mean"] == pytest.approx(chosen["kl_mean"], rel=1e-6)
     assert again["formats"][plan]["bits_per_element"] == pytest.approx(chosen["bits"])
+
+
+def test_the_plan_search_pools_its_kl_over_several_texts(lm):
+    """--plan-windows 2: each probe's KL is the mean over every token of two texts that share none, which is what
+    the chosen plan measures on those two texts through a cache of its own."""
+    from kvpack.evaluation.corpus import Corpus, builtin_source
+    from kvpack.evaluation.fidelity import teacher_forced
+    from kvpack.evaluation.report import plan_line
+
+    ladder, budget = ["kivi2", "int4", "int8"], 0.25
+    cfg = small_config(formats=["fp16"], lengths=[192], plan_budget=budget, plan_formats=ladder, plan_tokens=256,
+                       plan_windows=2, **_ONLY_KL)  # fmt: skip
+    r = run_eval(cfg, lm=lm)
+    chosen = r["plan"]["chosen"]
+    assert r["plan"]["windows"] == 2 and r["plan"]["tokens"] == 256 and chosen is not None
+    texts = Corpus(builtin_source(), lm.encode).passages(256, 2, seed=7)
+    runner = Runner(lm, engine="simulate")
+    kl = []
+    for ids in texts:
+        res = teacher_forced(runner.forward, ids, runner.cache(None, len(ids)), {"p": runner.cache(chosen["plan"], 257)},
+                             chunk=cfg.fidelity_chunk)  # fmt: skip
+        kl.append(res["p"].kl.flatten())
+    assert chosen["kl_mean"] == pytest.approx(float(torch.cat(kl).mean()), rel=1e-6)
+    assert chosen["kl_mean"] != pytest.approx(float(kl[0].mean()), rel=1e-3)  # the second text counts
+    assert "over 2 texts of 256 tokens" in plan_line(r["plan"])
+    with pytest.raises(ConfigError, match="plan_windows must be an integer from 1 to 64"):
+        run_eval(replace(cfg, plan_windows=0), lm=lm)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -127,6 +128,24 @@ def test_passages_are_windows_of_the_tokens(notes):
     assert c.passage(c.tokens, seed=1) == encode(notes.read_text())  # the whole text, once
     with pytest.raises(ConfigError, match="tokens of text"):
         c.passage(c.tokens + 1)
+
+
+def test_several_passages_share_no_text(notes):
+    c = Corpus(load_text([str(notes)]), encode)
+    texts = c.passages(700, 3, seed=4)
+    assert [len(t) for t in texts] == [700] * 3 and c.passages(700, 3, seed=4) == texts
+    spans = []
+    for t in texts:
+        text = bytes(t).decode()
+        assert text in notes.read_text()
+        numbers = [int(m) for m in re.findall(r"Sentence (\d+) of", text)]
+        spans.append((numbers[0], numbers[-1]))
+    assert all(a[1] < b[0] for a, b in itertools.pairwise(spans))  # in order, no sentence in two passages
+    assert c.passages(700, 1, seed=4) == [c.passage(700, seed=4)]  # one passage is passage()'s
+    with pytest.raises(ConfigError, match=r"3 passages of .* that share none"):
+        c.passages(c.tokens // 3 + 1, 3)
+    builtin = Corpus(builtin_source(), encode)
+    assert builtin.passages(300, 2, seed=7) == [builtin.passage(300, seed=7), builtin.passage(300, seed=8)]
 
 
 def test_jsonl_documents_are_joined_in_order(tmp_path):

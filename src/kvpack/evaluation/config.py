@@ -58,6 +58,9 @@ class EvalConfig:
             (:mod:`kvpack.evaluation.planner`); ``None`` skips the search.
         plan_formats: the plan's ladder of formats (sorted narrowest first by their bits).
         plan_tokens: length of the teacher-forced text each candidate plan is measured on.
+        plan_windows: how many such texts (sharing no text) each candidate is measured on, its KL the mean over
+            all their tokens: a model whose KL moves with the text (Gemma's by +-50% between 1,024-token texts)
+            needs several for a plan that holds on other text.
         text: the user's text files (plain text, or JSONL with a ``text`` field per line,
             :func:`~kvpack.evaluation.corpus.load_text`) for the haystacks and every teacher-forced text,
             instead of the built-in prose; ``None``: the built-in prose.
@@ -84,6 +87,7 @@ class EvalConfig:
     plan_budget: float | None = None
     plan_formats: list[str] = field(default_factory=lambda: ["int4", "k8v4", "int8"])
     plan_tokens: int = 1024
+    plan_windows: int = 1
     text: list[str] | None = None
 
     def check(self) -> None:
@@ -111,6 +115,8 @@ class EvalConfig:
                 bad.append(f"a plan needs at least two formats to choose between, got {self.plan_formats}")
             if self.plan_tokens < 64:
                 bad.append(f"plan_tokens must be at least 64, got {self.plan_tokens}")
+            if not (isinstance(self.plan_windows, int) and 1 <= self.plan_windows <= 64):
+                bad.append(f"plan_windows must be an integer from 1 to 64, got {self.plan_windows!r}")
         if self.text is not None and not self.text:
             bad.append("text: give at least one file, or None for the built-in prose")
         if bad:

@@ -287,3 +287,27 @@ class Corpus:
             )
         start = random.Random(seed).randrange(len(self._ids) - n_tokens + 1)
         return self._ids[start : start + n_tokens]
+
+    def passages(self, n_tokens: int, count: int, seed: int = 0) -> list[list[int]]:
+        """``count`` passages of ``n_tokens`` token ids that share no text: of the built-in prose, one per seed
+        (``seed``, ``seed + 1``, ...; the first is :meth:`passage`'s); of the user's text, one seeded window in
+        each of ``count`` equal stretches of it (one window: :meth:`passage`'s).
+
+        Raises:
+            ConfigError: the user's text holds fewer than ``count * n_tokens`` tokens.
+        """
+        if self.source.builtin or count == 1:
+            return [self.passage(n_tokens, seed + i) for i in range(count)]
+        have = len(self._ids)
+        if count * n_tokens > have:
+            raise ConfigError(
+                f"--text has {have:,} tokens of text and {count} passages of {n_tokens:,} tokens that share none "
+                f"were asked for ({count * n_tokens:,}); give more text or ask for fewer or shorter passages"
+            )
+        rng = random.Random(seed)
+        out = []
+        for i in range(count):
+            lo, hi = have * i // count, have * (i + 1) // count  # this passage's stretch of the text
+            start = lo + rng.randrange(max(1, hi - lo - n_tokens + 1))
+            out.append(self._ids[start : start + n_tokens])
+        return out

@@ -92,14 +92,16 @@ def plan_line(plan: dict[str, Any]) -> str:
     """The per-layer plan search in words (``results["plan"]``, :mod:`kvpack.evaluation.planner`)."""
     probes = ", ".join(f"{p['plan']} {p['bits']:.2f} bits KL {p['kl_mean']:.2g}" for p in plan["probes"])
     c = plan["chosen"]
+    n = plan.get("windows", 1)
+    over = f" over {n} texts of {plan['tokens']:,} tokens" if n > 1 else ""
     if c is None:
         return (
-            f"plan: no plan of {', '.join(plan['ladder'])} meets KL <= {plan['budget']:g} (measured: {probes}); "
+            f"plan: no plan of {', '.join(plan['ladder'])} meets KL <= {plan['budget']:g}{over} (measured: {probes}); "
             "add a wider format to --plan-formats"
         )
     return (
         f"plan for KL <= {plan['budget']:g}: {c['plan']} ({c['bits']:.2f} bits per element, measured KL "
-        f"{c['kl_mean']:.2g}); use it as a format: kvpack.hf.cache_for(model, format='{c['plan']}'), "
+        f"{c['kl_mean']:.2g}{over}); use it as a format: kvpack.hf.cache_for(model, format='{c['plan']}'), "
         f"kvpack size --format '{c['plan']}'. Probes: {probes}"
     )
 

@@ -166,17 +166,20 @@ def _plan(runner: Runner, cfg: EvalConfig, corpus: Corpus, progress: Progress) -
     progress.advance()
     progress.end()
     plans = greedy_plans(ladder, [errs[f.name] for f in ladder])
-    ids = corpus.passage(cfg.plan_tokens, seed=cfg.seed * 1_000_003 + 7)
+    texts = corpus.passages(cfg.plan_tokens, cfg.plan_windows, seed=cfg.seed * 1_000_003 + 7)
     progress.start("plan: candidates", max(1, math.ceil(math.log2(len(plans))) + 2))
 
     def kl_of(p: LayerPlan) -> float:
         fmt = p.base if p.is_uniform else p
-        ref = runner.cache(None, len(ids))
-        res = teacher_forced(
-            runner.forward, ids, ref, {"plan": runner.cache(fmt, len(ids) + 1)}, chunk=cfg.fidelity_chunk
-        )
+        kl = []
+        for ids in texts:  # every token of every text weighs the same
+            ref = runner.cache(None, len(ids))
+            res = teacher_forced(
+                runner.forward, ids, ref, {"plan": runner.cache(fmt, len(ids) + 1)}, chunk=cfg.fidelity_chunk
+            )
+            kl.append(res["plan"].kl.flatten())
         progress.advance()
-        return float(res["plan"].kl.mean())
+        return float(torch.cat(kl).mean())
 
     found = search_plan(
         plans, kl_of, lambda p: p.bits_per_element(kv_heads, head_dim, lm.num_layers), cfg.plan_budget, ladder
@@ -366,7 +369,8 @@ def _text_needs(cfg: EvalConfig) -> list[tuple[str, int]]:
         n = max(cfg.sensitivity_tokens, 256) if cfg.plan_budget is not None else cfg.sensitivity_tokens
         needs.append(("the per-layer sensitivity text", n))
     if cfg.plan_budget is not None:
-        needs.append(("the plan search's text", cfg.plan_tokens))
+        what = "the plan search's text" + (f" ({cfg.plan_windows} passages)" if cfg.plan_windows > 1 else "")
+        needs.append((what, cfg.plan_tokens * cfg.plan_windows))
     if cfg.speculative_tokens:
         needs.append(("the speculative prompts (--speculative-tokens 0 skips them)", cfg.speculative_context))
     return needs
@@ -526,7 +530,11 @@ def _run_eval(
     results["attribution"] = attribution
     if cfg.plan_budget is not None:
         t = time.perf_counter()
-        results["plan"] = _plan(runner, cfg, corpus, progress).as_dict()
+        results["plan"] = {
+            **_plan(runner, cfg, corpus, progress).as_dict(),
+            "tokens": cfg.plan_tokens,
+            "windows": cfg.plan_windows,
+        }
         timings["plan"] = time.perf_counter() - t
     if cfg.speculative_tokens:
         t = time.perf_counter()
