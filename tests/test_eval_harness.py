@@ -346,6 +346,8 @@ def test_the_plan_search_pools_its_kl_over_several_texts(lm):
         kl.append(res["p"].kl.flatten())
     assert chosen["kl_mean"] == pytest.approx(float(torch.cat(kl).mean()), rel=1e-6)
     assert chosen["kl_mean"] != pytest.approx(float(kl[0].mean()), rel=1e-3)  # the second text counts
+    assert chosen["kl_texts"] == pytest.approx([float(k.mean()) for k in kl], rel=1e-6)
+    assert all(len(p["kl_texts"]) == 2 for p in r["plan"]["probes"])
     assert "over 2 texts of 256 tokens" in plan_line(r["plan"])
     with pytest.raises(ConfigError, match="plan_windows must be an integer from 1 to 64"):
         run_eval(replace(cfg, plan_windows=0), lm=lm)

@@ -90,10 +90,15 @@ def summary_table(results: dict[str, Any]) -> str:
 
 def plan_line(plan: dict[str, Any]) -> str:
     """The per-layer plan search in words (``results["plan"]``, :mod:`kvpack.evaluation.planner`)."""
-    probes = ", ".join(f"{p['plan']} {p['bits']:.2f} bits KL {p['kl_mean']:.2g}" for p in plan["probes"])
+
+    def texts(p: dict[str, Any]) -> str:
+        k = p.get("kl_texts")
+        return f" (texts {min(k):.2g}-{max(k):.2g})" if k else ""
+
+    probes = ", ".join(f"{p['plan']} {p['bits']:.2f} bits KL {p['kl_mean']:.2g}{texts(p)}" for p in plan["probes"])
     c = plan["chosen"]
     n = plan.get("windows", 1)
-    over = f" over {n} texts of {plan['tokens']:,} tokens" if n > 1 else ""
+    over = f" over {n} texts of {plan['tokens']:,} tokens{texts(c) if c else ''}" if n > 1 else ""
     if c is None:
         return (
             f"plan: no plan of {', '.join(plan['ladder'])} meets KL <= {plan['budget']:g}{over} (measured: {probes}); "

@@ -169,6 +169,8 @@ def _plan(runner: Runner, cfg: EvalConfig, corpus: Corpus, progress: Progress) -
     texts = corpus.passages(cfg.plan_tokens, cfg.plan_windows, seed=cfg.seed * 1_000_003 + 7)
     progress.start("plan: candidates", max(1, math.ceil(math.log2(len(plans))) + 2))
 
+    per_text: dict[str, list[float]] = {}
+
     def kl_of(p: LayerPlan) -> float:
         fmt = p.base if p.is_uniform else p
         kl = []
@@ -179,11 +181,15 @@ def _plan(runner: Runner, cfg: EvalConfig, corpus: Corpus, progress: Progress) -
             )
             kl.append(res["plan"].kl.flatten())
         progress.advance()
+        per_text[p.name] = [float(k.mean()) for k in kl]
         return float(torch.cat(kl).mean())
 
     found = search_plan(
         plans, kl_of, lambda p: p.bits_per_element(kv_heads, head_dim, lm.num_layers), cfg.plan_budget, ladder
     )
+    if len(texts) > 1:  # how far the texts' KLs lie apart: the margin a plan at the budget's edge needs
+        for probe in found.probes:
+            probe["kl_texts"] = per_text[probe["plan"]]
     progress.end()
     return found
 
