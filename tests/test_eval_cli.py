@@ -59,6 +59,7 @@ def test_table_output(tmp_path, capsys):
         (["--plan", "0.01", "--plan-formats", "int4,int4/int8[0]"], "'int4/int8[0]' is a plan (give it to --formats"),
         (["--lengths", "100k"], "do not fit the model's context"),
         (["--plan", "0.01", "--plan-windows", "0"], "--plan-windows"),
+        (["--plan-windows", "4"], "is for the plan search: give a KL budget too (--plan)"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(tmp_path, capsys, argv, message):

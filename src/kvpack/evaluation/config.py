@@ -117,6 +117,8 @@ class EvalConfig:
                 bad.append(f"plan_tokens must be at least 64, got {self.plan_tokens}")
             if not (isinstance(self.plan_windows, int) and 1 <= self.plan_windows <= 64):
                 bad.append(f"plan_windows must be an integer from 1 to 64, got {self.plan_windows!r}")
+        elif self.plan_windows != 1:
+            bad.append(f"plan_windows={self.plan_windows!r} is for the plan search: give a KL budget too (--plan)")
         if self.text is not None and not self.text:
             bad.append("text: give at least one file, or None for the built-in prose")
         if bad:
