@@ -351,3 +351,15 @@ def test_the_plan_search_pools_its_kl_over_several_texts(lm):
     assert "over 2 texts of 256 tokens" in plan_line(r["plan"])
     with pytest.raises(ConfigError, match="plan_windows must be an integer from 1 to 64"):
         run_eval(replace(cfg, plan_windows=0), lm=lm)
+
+
+def test_a_plan_at_its_budgets_edge_on_one_text_points_to_more_texts():
+    from kvpack.evaluation.report import plan_line
+
+    probe = {"plan": "int4/int8[0]", "bits": 5.0, "kl_mean": 0.0095}
+    plan = {"budget": 0.01, "ladder": ["int4", "int8"], "probes": [probe], "chosen": probe, "tokens": 1024}
+    assert "--plan-windows 4 tells whether it holds" in plan_line({**plan, "windows": 1})
+    assert "--plan-windows" not in plan_line({**plan, "windows": 1, "chosen": {**probe, "kl_mean": 0.005}})
+    pooled = {**probe, "kl_texts": [0.008, 0.011]}
+    line = plan_line({**plan, "windows": 2, "probes": [pooled], "chosen": pooled})
+    assert "--plan-windows" not in line and "over 2 texts of 1,024 tokens (texts 0.008-0.011)" in line

@@ -88,6 +88,10 @@ def summary_table(results: dict[str, Any]) -> str:
 # Plots
 
 
+# a plan measured on one text whose KL is above this share of its budget is at the budget's edge
+EDGE = 0.8
+
+
 def plan_line(plan: dict[str, Any]) -> str:
     """The per-layer plan search in words (``results["plan"]``, :mod:`kvpack.evaluation.planner`)."""
 
@@ -104,10 +108,18 @@ def plan_line(plan: dict[str, Any]) -> str:
             f"plan: no plan of {', '.join(plan['ladder'])} meets KL <= {plan['budget']:g}{over} (measured: {probes}); "
             "add a wider format to --plan-formats"
         )
+    # one text's KL can sit well off another's (Gemma's by +-50%): a plan near its budget may not hold elsewhere
+    edge = n == 1 and c["kl_mean"] > EDGE * plan["budget"]
+    caution = (
+        f" Measured on one text and within {100 - 100 * EDGE:.0f}% of the budget: --plan-windows 4 tells whether "
+        "it holds on other text."
+        if edge
+        else ""
+    )
     return (
         f"plan for KL <= {plan['budget']:g}: {c['plan']} ({c['bits']:.2f} bits per element, measured KL "
         f"{c['kl_mean']:.2g}{over}); use it as a format: kvpack.hf.cache_for(model, format='{c['plan']}'), "
-        f"kvpack size --format '{c['plan']}'. Probes: {probes}"
+        f"kvpack size --format '{c['plan']}'.{caution} Probes: {probes}"
     )
 
 
